@@ -1,0 +1,198 @@
+"""The reference draft → verify loop: the oracle every faster path is compared with.
+
+One call decodes a batch of requests to completion, one round at a time
+(ARCHITECTURE.md, "One decoding round"):
+
+1. draft:    the drafter proposes γ tokens per active request, with q_k and confidence logits;
+2. schedule: calibrated confidences → verification lengths ℓ_r (scheduler policy);
+3. verify:   one target step over [x_0, x_1..x_ℓ] per request, all requests in one batch;
+4. accept:   chain rejection sampling (dspark.verify);
+5. commit:   emit tokens, roll the target's KV back past the accepted prefix, give the
+             drafter the committed tokens and their target features.
+
+Each request owns a random generator; per round it draws, in this order, γ uniforms for
+drafting (inside the drafter) and γ+1 for verification. With the mode `off` the drafter is
+never called and each round is a plain target step (the target-only baseline).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from dspark.calibration import STS
+from dspark.drafter import Drafter
+from dspark.metrics import AcceptanceStats, RoundRecord
+from dspark.sampling import SamplingParams, make_generator, sample, uniforms, warp
+from dspark.scheduler import Off, Policy
+from dspark.target import TargetStep
+from dspark.verify import chain_verify, commit_tokens
+
+
+class Target(Protocol):
+    """What the loop needs from a target: KV slots and one ragged step."""
+
+    vocab_size: int
+
+    def allocate(self) -> int: ...
+    def release(self, slot: int) -> None: ...
+    def rollback(self, slot: int, length: int) -> None: ...
+    def length(self, slot: int) -> int: ...
+    def step(self, slots: list[int], tokens: list[list[int]]) -> TargetStep: ...
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: Sequence[int]
+    max_tokens: int = 64
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_ids) == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    finish_reason: str  # "stop" | "length"
+    stats: AcceptanceStats
+    seconds: float = 0.0
+
+
+@dataclass
+class _Live:
+    rid: int
+    req: Request
+    slot: int
+    gen: torch.Generator
+    out: list[int] = field(default_factory=list)
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    conf_history: list[np.ndarray] = field(default_factory=list)  # last two rounds, oldest first
+    finish: str | None = None
+
+    @property
+    def anchor(self) -> int:
+        return self.out[-1]
+
+    def emit(self, tokens: list[int], finished: bool) -> None:
+        self.out.extend(tokens)
+        if finished:
+            self.finish = "stop" if self.out and self.out[-1] in self.req.stop_ids else "length"
+
+
+def generate(
+    target: Target,
+    requests: Sequence[Request],
+    drafter: Drafter | None = None,
+    policy: Policy | None = None,
+    calibration: STS | None = None,
+) -> list[Result]:
+    """Decode every request to completion; returns one Result per request, in order."""
+    policy = policy or Off()
+    speculate = drafter is not None and not isinstance(policy, Off)
+    t0 = time.perf_counter()
+    live = [
+        _Live(rid, req, target.allocate(), make_generator(req.params.seed)) for rid, req in enumerate(requests)
+    ]
+    try:
+        _prefill(target, live, drafter if speculate else None)
+        active = [s for s in live if s.finish is None]
+        while active:
+            if speculate:
+                _speculative_round(target, drafter, policy, calibration, active)
+            else:
+                _target_round(target, active)
+            for s in active:
+                if s.finish is not None:
+                    _release(target, drafter if speculate else None, s)
+            active = [s for s in active if s.finish is None]
+    finally:
+        for s in live:
+            if s.slot >= 0:
+                _release(target, drafter if speculate else None, s)
+    seconds = time.perf_counter() - t0
+    return [Result(s.out, s.finish or "length", s.stats, seconds) for s in live]
+
+
+def _release(target: Target, drafter: Drafter | None, s: _Live) -> None:
+    target.release(s.slot)
+    if drafter is not None:
+        drafter.end(s.rid)
+    s.slot = -1
+
+
+def _prefill(target: Target, live: list[_Live], drafter: Drafter | None) -> None:
+    """Prompt forward for every request; the first token is sampled from the target."""
+    step = target.step([s.slot for s in live], [list(s.req.prompt_ids) for s in live])
+    for r, s in enumerate(live):
+        n = len(s.req.prompt_ids)
+        p = warp(step.logits[r, n - 1], s.req.params)
+        tok = int(sample(p, uniforms(s.gen, 1)[0]))
+        s.emit([tok], tok in s.req.stop_ids or s.req.max_tokens <= 1)
+        if drafter is not None:
+            drafter.begin(s.rid, list(s.req.prompt_ids), step.features[r, :n])
+
+
+def _target_round(target: Target, active: list[_Live]) -> None:
+    """Target-only decoding: one token per request per round (the `off` baseline)."""
+    step = target.step([s.slot for s in active], [[s.anchor] for s in active])
+    for r, s in enumerate(active):
+        p = warp(step.logits[r, 0], s.req.params)
+        tok = int(sample(p, uniforms(s.gen, 1)[0]))
+        remaining = s.req.max_tokens - len(s.out)
+        s.emit([tok], tok in s.req.stop_ids or remaining <= 1)
+        s.stats.add(RoundRecord(proposed=0, accepted=0, stopped=False))
+
+
+def _speculative_round(
+    target: Target, drafter: Drafter, policy: Policy, calibration: STS | None, active: list[_Live]
+) -> None:
+    gamma = drafter.block_size
+    R = len(active)
+    prop = drafter.propose(
+        [s.rid for s in active], [s.anchor for s in active], [s.req.params for s in active], [s.gen for s in active]
+    )
+    raw = prop.conf_logits.double().numpy()
+    conf = calibration.apply(raw) if calibration is not None else 1.0 / (1.0 + np.exp(-raw))
+    max_len = np.array([min(gamma, s.req.max_tokens - len(s.out) - 1) for s in active], dtype=np.int64)
+    stale = np.full((R, gamma), np.nan)
+    for r, s in enumerate(active):
+        if len(s.conf_history) == 2:
+            stale[r] = s.conf_history[0]
+    lengths = np.asarray(policy.schedule(conf, max_len, stale), dtype=np.int64)
+    for r, s in enumerate(active):
+        s.conf_history = (s.conf_history + [conf[r]])[-2:]
+
+    drafts = prop.tokens
+    start = [target.length(s.slot) for s in active]
+    step = target.step(
+        [s.slot for s in active], [[s.anchor] + drafts[r, : lengths[r]].tolist() for r, s in enumerate(active)]
+    )
+    p = torch.stack([warp(step.logits[r, : gamma + 1], s.req.params) for r, s in enumerate(active)])
+    if p.shape[1] < gamma + 1:  # every request verified fewer than γ drafts: pad the unused rows
+        p = torch.cat([p, p[:, -1:].expand(R, gamma + 1 - p.shape[1], -1)], dim=1)
+    u = torch.stack([uniforms(s.gen, gamma + 1) for s in active])
+    verdict = chain_verify(drafts, prop.probs, p, torch.from_numpy(lengths), u)
+
+    for r, s in enumerate(active):
+        n = int(verdict.accepted[r])
+        c = commit_tokens(
+            drafts[r, :n].tolist(), n, int(verdict.next_token[r]), s.req.stop_ids, s.req.max_tokens - len(s.out)
+        )
+        committed_inputs = [s.anchor] + drafts[r, :n].tolist()
+        # a round that ends on an accepted stop token counts the drafts up to it, no bonus (§6.2)
+        s.stats.add(RoundRecord(proposed=int(lengths[r]), accepted=len(c.tokens) if c.stopped else n,
+                                stopped=c.stopped))
+        s.emit(c.tokens, c.finished)
+        target.rollback(s.slot, start[r] + n + 1)
+        if not c.finished:
+            drafter.advance(s.rid, committed_inputs, step.features[r, : n + 1])

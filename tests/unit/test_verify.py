@@ -1,0 +1,101 @@
+import torch
+
+from dspark.verify import chain_verify, commit_tokens
+
+
+def _one_position_law(p: torch.Tensor, q: torch.Tensor, grid: int = 300) -> torch.Tensor:
+    """Law of the first emitted token, integrating x ~ q exactly and both uniforms on a grid."""
+    V = p.shape[0]
+    g = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    u_acc, u_res = torch.meshgrid(g, g, indexing="ij")
+    u = torch.stack([u_acc.reshape(-1), u_res.reshape(-1)], dim=1)  # [M, γ+1] with γ = 1
+    M = u.shape[0]
+    law = torch.zeros(V, dtype=torch.float64)
+    for x in range(V):
+        if q[x] == 0:
+            continue
+        v = chain_verify(
+            torch.full((M, 1), x), q.expand(M, 1, V), torch.stack([p, p]).expand(M, 2, V),
+            torch.ones(M, dtype=torch.long), u,
+        )
+        emitted = torch.where(v.accepted == 1, torch.full((M,), x), v.next_token)
+        law += q[x].double() * torch.bincount(emitted, minlength=V).double() / M
+    return law
+
+
+def test_one_position_emits_exactly_the_target_law():
+    torch.manual_seed(0)
+    for _ in range(4):
+        p = torch.softmax(torch.randn(5) * 1.5, 0)
+        q = torch.softmax(torch.randn(5) * 1.5, 0)
+        assert torch.allclose(_one_position_law(p, q), p.double(), atol=4e-3)
+
+
+def test_draft_with_disjoint_support_is_always_corrected_to_the_target_law():
+    p = torch.tensor([0.6, 0.4, 0.0, 0.0])
+    q = torch.tensor([0.0, 0.0, 0.5, 0.5])
+    assert torch.allclose(_one_position_law(p, q), p.double(), atol=4e-3)
+
+
+def test_identical_draft_is_always_accepted():
+    p = torch.softmax(torch.randn(6), 0)
+    u = torch.rand(50, 4, dtype=torch.float64)
+    x = torch.multinomial(p, 50 * 3, replacement=True).view(50, 3)
+    v = chain_verify(x, p.expand(50, 3, 6), p.expand(50, 4, 6), torch.full((50,), 3), u)
+    assert v.accepted.tolist() == [3] * 50
+
+
+def _onehot(idx, V=7):
+    return torch.nn.functional.one_hot(torch.tensor(idx), V).float()
+
+
+def test_greedy_accepts_exact_argmax_matches_and_corrects_with_the_target_argmax():
+    target_argmax = [3, 5, 1, 6]  # p_0..p_3
+    p = _onehot(target_argmax).unsqueeze(0)
+    u = torch.rand(1, 4, dtype=torch.float64)
+    drafts = torch.tensor([[3, 5, 2]])  # third draft wrong
+    v = chain_verify(drafts, _onehot([3, 5, 2]).unsqueeze(0), p, torch.tensor([3]), u)
+    assert (v.accepted.item(), v.next_token.item()) == (2, 1)
+    drafts = torch.tensor([[3, 5, 1]])  # all right: bonus is argmax of p_3
+    v = chain_verify(drafts, _onehot([3, 5, 1]).unsqueeze(0), p, torch.tensor([3]), u)
+    assert (v.accepted.item(), v.next_token.item()) == (3, 6)
+
+
+def test_drafts_past_the_verification_length_are_ignored():
+    p = _onehot([3, 5, 1, 6]).unsqueeze(0)
+    drafts = torch.tensor([[3, 5, 1]])
+    q = _onehot([3, 5, 1]).unsqueeze(0)
+    u = torch.rand(1, 4, dtype=torch.float64)
+    v = chain_verify(drafts, q, p, torch.tensor([1]), u)
+    assert (v.accepted.item(), v.next_token.item()) == (1, 5)  # bonus from p_1
+    v = chain_verify(drafts, q, p, torch.tensor([0]), u)
+    assert (v.accepted.item(), v.next_token.item()) == (0, 3)  # ℓ = 0: plain target token
+
+
+def test_residual_without_mass_falls_back_to_the_target():
+    # q exceeds p at x by 1e-10: a rejection leaves residual mass 1e-10 < 1e-8, so the
+    # correction is drawn from p itself (u = 0.1 -> token 0), not from the residual (token 1)
+    p = torch.tensor([[[0.5, 0.5], [0.5, 0.5]]], dtype=torch.float64)
+    q = torch.tensor([[[0.5 + 1e-10, 0.5 - 1e-10]]], dtype=torch.float64)
+    u = torch.tensor([[1 - 1e-12, 0.1]], dtype=torch.float64)
+    v = chain_verify(torch.tensor([[0]]), q, p, torch.tensor([1]), u)
+    assert (v.accepted.item(), v.next_token.item()) == (0, 0)
+
+
+def test_commit_stops_at_an_accepted_stop_token_without_bonus():
+    c = commit_tokens([4, 0, 7], accepted=3, next_token=9, stop_ids=frozenset({0}), remaining=10)
+    assert (c.tokens, c.finished, c.stopped) == ([4, 0], True, True)
+
+
+def test_commit_appends_correction_and_finishes_on_a_stop_correction():
+    c = commit_tokens([4, 5], accepted=1, next_token=0, stop_ids=frozenset({0}), remaining=10)
+    assert (c.tokens, c.finished, c.stopped) == ([4, 0], True, False)
+    c = commit_tokens([4, 5], accepted=2, next_token=8, stop_ids=frozenset({0}), remaining=10)
+    assert (c.tokens, c.finished) == ([4, 5, 8], False)
+
+
+def test_commit_never_exceeds_max_tokens():
+    c = commit_tokens([4, 5, 6], accepted=3, next_token=8, stop_ids=frozenset(), remaining=2)
+    assert (c.tokens, c.finished) == ([4, 5], True)
+    c = commit_tokens([4], accepted=1, next_token=8, stop_ids=frozenset(), remaining=2)
+    assert (c.tokens, c.finished) == ([4, 8], True)
