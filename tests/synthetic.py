@@ -53,7 +53,8 @@ class BigramTarget:
 
 
 class BigramDrafter(Drafter):
-    """Drafts from a bigram table; slot k's confidence logit is conf_logit[x_{k-1}]."""
+    """Drafts from a bigram table; slot k's confidence logit is conf_logit[k-1, x_{k-1}]
+    (a [γ, V] table), so it depends on the previous token, never on x_k."""
 
     def __init__(self, probs: np.ndarray, conf_logit: np.ndarray, block_size: int) -> None:
         self.logits = torch.log(torch.as_tensor(probs, dtype=torch.float64)).float()
@@ -81,7 +82,7 @@ class BigramDrafter(Drafter):
             prev = anchors[r]
             for k in range(g):
                 q = warp(self.logits[prev], params[r])
-                probs[r, k], conf[r, k] = q, self.conf_logit[prev]
+                probs[r, k], conf[r, k] = q, self.conf_logit[k, prev]
                 prev = int(sample(q, us[r, k]))
                 tokens[r, k] = prev
         return Proposal(tokens, probs, conf)
