@@ -79,8 +79,9 @@ def _ece_rows(preds: np.ndarray, label: np.ndarray, n_bins: int) -> np.ndarray:
     bins = np.minimum((preds * n_bins).astype(np.int64), n_bins - 1)  # p == 1.0 → last bin
     flat = (bins + (np.arange(g, dtype=np.int64) * n_bins)[:, None]).reshape(-1)
     sum_pred = np.bincount(flat, weights=preds.reshape(-1), minlength=g * n_bins)
-    sum_label = np.bincount(flat, weights=np.broadcast_to(label, preds.shape).reshape(-1),
-                            minlength=g * n_bins)
+    sum_label = np.bincount(
+        flat, weights=np.broadcast_to(label, preds.shape).reshape(-1), minlength=g * n_bins
+    )
     return np.abs(sum_pred - sum_label).reshape(g, n_bins).sum(axis=1) / m
 
 
@@ -159,8 +160,10 @@ def _check_rounds(accepted: ArrayLike, proposed: ArrayLike, gamma: int) -> tuple
             "check that gamma matches the logits' last dimension."
         )
     if acc.size and (acc.min() < 0 or np.any(acc > prop)):
-        raise ValueError("accepted must lie in [0, proposed] for every round; a round cannot accept "
-                         "more drafts than it verified.")
+        raise ValueError(
+            "accepted must lie in [0, proposed] for every round; a round cannot accept "
+            "more drafts than it verified."
+        )
     return acc, prop
 
 
@@ -327,9 +330,9 @@ class STS:
                 zk, prev, yk = z[rows, k], prefix[rows], labels[rows, k]
                 scores = np.empty(temps_grid.size)
                 for start in range(0, temps_grid.size, chunk):
-                    t = temps_grid[start:start + chunk, None]
+                    t = temps_grid[start : start + chunk, None]
                     cand = np.clip(prev[None, :] * sigmoid(zk[None, :] / t), PRED_CLIP, 1.0 - PRED_CLIP)
-                    scores[start:start + chunk] = _ece_rows(cand, yk, int(n_bins))
+                    scores[start : start + chunk] = _ece_rows(cand, yk, int(n_bins))
                 best = np.flatnonzero(scores <= scores.min() + 1e-12)
                 t_k = float(temps_grid[best[np.argmin(np.abs(np.log(temps_grid[best])))]])
             temps.append(t_k)
@@ -449,8 +452,10 @@ def calibration_report(
             "pass one row of logits per round."
         )
     if sts is not None and sts.gamma != gamma:
-        raise ValueError(f"the STS calibration has gamma={sts.gamma} but the logits have {gamma} slots; "
-                         "use the calibration fitted for this drafter's block size.")
+        raise ValueError(
+            f"the STS calibration has gamma={sts.gamma} but the logits have {gamma} slots; "
+            "use the calibration fitted for this drafter's block size."
+        )
     z = _masked_logits(z, valid)
     cond_raw = sigmoid(z)
     surv_raw = cumulative_survival(cond_raw)
@@ -460,8 +465,11 @@ def calibration_report(
     for k in range(gamma):
         rows = valid[:, k]
         y = labels[rows, k]
-        entry: dict[str, Any] = {"k": k + 1, "n": int(rows.sum()),
-                                 "mean_label": float(y.mean()) if y.size else math.nan}
+        entry: dict[str, Any] = {
+            "k": k + 1,
+            "n": int(rows.sum()),
+            "mean_label": float(y.mean()) if y.size else math.nan,
+        }
         for tag, surv in (("raw", surv_raw), ("sts", surv_sts)):
             if surv is None:
                 for name in ("ece", "auroc", "brier", "mean_pred"):

@@ -103,7 +103,7 @@ def _count_at_least(values: np.ndarray, size: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     counts = np.bincount(values, minlength=size + 1)
     at_least = np.cumsum(counts[::-1])[::-1]
-    return at_least[1:size + 1].astype(np.int64)
+    return at_least[1 : size + 1].astype(np.int64)
 
 
 def _ratio(num: float, den: float) -> float:
@@ -156,7 +156,7 @@ class AcceptanceStats:
         self.stopped_rounds += int(record.stopped)
         self.verified_at[:p] += 1
         self.accepted_at[:a] += 1
-        self.reached_at[:min(p, a + 1)] += 1  # slot k reached ⇔ k ≤ proposed and k ≤ accepted + 1
+        self.reached_at[: min(p, a + 1)] += 1  # slot k reached ⇔ k ≤ proposed and k ≤ accepted + 1
 
     def add_many(self, proposed: ArrayLike, accepted: ArrayLike, stopped: ArrayLike | None = None) -> None:
         """Add a batch of rounds given as parallel 1-D arrays (stopped defaults to all False)."""
@@ -177,11 +177,15 @@ class AcceptanceStats:
         if prop.min() < 0:
             raise ValueError(f"proposed must be ≥ 0, got {prop.min()}.")
         if acc.min() < 0 or np.any(acc > prop):
-            raise ValueError("accepted must lie in [0, proposed] for every round; a round cannot accept "
-                             "more drafts than it verified.")
+            raise ValueError(
+                "accepted must lie in [0, proposed] for every round; a round cannot accept "
+                "more drafts than it verified."
+            )
         if np.any(stop & (acc < 1)):
-            raise ValueError("stopped=True needs accepted ≥ 1 (the stop token is an accepted draft); a round "
-                             "whose bonus/correction token is the stop token is not 'stopped'.")
+            raise ValueError(
+                "stopped=True needs accepted ≥ 1 (the stop token is an accepted draft); a round "
+                "whose bonus/correction token is the stop token is not 'stopped'."
+            )
         size = int(prop.max())
         self._grow(size)
         self.rounds += int(prop.size)

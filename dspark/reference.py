@@ -101,7 +101,8 @@ def generate(
     speculate = drafter is not None and not isinstance(policy, Off)
     t0 = time.perf_counter()
     live = [
-        _Live(rid, req, target.allocate(), make_generator(req.params.seed)) for rid, req in enumerate(requests)
+        _Live(rid, req, target.allocate(), make_generator(req.params.seed))
+        for rid, req in enumerate(requests)
     ]
     try:
         _prefill(target, live, drafter if speculate else None)
@@ -159,7 +160,10 @@ def _speculative_round(
     gamma = drafter.block_size
     R = len(active)
     prop = drafter.propose(
-        [s.rid for s in active], [s.anchor for s in active], [s.req.params for s in active], [s.gen for s in active]
+        [s.rid for s in active],
+        [s.anchor for s in active],
+        [s.req.params for s in active],
+        [s.gen for s in active],
     )
     raw = prop.conf_logits.double().numpy()
     conf = calibration.apply(raw) if calibration is not None else 1.0 / (1.0 + np.exp(-raw))
@@ -175,7 +179,8 @@ def _speculative_round(
     drafts = prop.tokens
     start = [target.length(s.slot) for s in active]
     step = target.step(
-        [s.slot for s in active], [[s.anchor] + drafts[r, : lengths[r]].tolist() for r, s in enumerate(active)]
+        [s.slot for s in active],
+        [[s.anchor] + drafts[r, : lengths[r]].tolist() for r, s in enumerate(active)],
     )
     p = torch.stack([warp(step.logits[r, : gamma + 1], s.req.params) for r, s in enumerate(active)])
     if p.shape[1] < gamma + 1:  # every request verified fewer than γ drafts: pad the unused rows
@@ -186,12 +191,19 @@ def _speculative_round(
     for r, s in enumerate(active):
         n = int(verdict.accepted[r])
         c = commit_tokens(
-            drafts[r, :n].tolist(), n, int(verdict.next_token[r]), s.req.stop_ids, s.req.max_tokens - len(s.out)
+            drafts[r, :n].tolist(),
+            n,
+            int(verdict.next_token[r]),
+            s.req.stop_ids,
+            s.req.max_tokens - len(s.out),
         )
         committed_inputs = [s.anchor] + drafts[r, :n].tolist()
         # a round that ends on an accepted stop token counts the drafts up to it, no bonus (§6.2)
-        s.stats.add(RoundRecord(proposed=int(lengths[r]), accepted=len(c.tokens) if c.stopped else n,
-                                stopped=c.stopped))
+        s.stats.add(
+            RoundRecord(
+                proposed=int(lengths[r]), accepted=len(c.tokens) if c.stopped else n, stopped=c.stopped
+            )
+        )
         s.emit(c.tokens, c.finished)
         target.rollback(s.slot, start[r] + n + 1)
         if not c.finished:

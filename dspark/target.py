@@ -63,7 +63,9 @@ class TargetConfig:
     def from_hf(cls, hf: object, feature_layers: tuple[int, ...] = ()) -> TargetConfig:
         """From a transformers LlamaConfig (only the default RoPE is supported)."""
         rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        rope_type = (
+            rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        )
         if rope_type not in ("default", None):
             raise ValueError(f"rope type {rope_type!r} is not supported by dspark.target (only default RoPE)")
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None

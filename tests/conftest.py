@@ -5,8 +5,16 @@ from dspark.target import LlamaTarget, TargetConfig
 torch.set_num_threads(2)
 
 TINY = TargetConfig(
-    vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-    head_dim=8, rope_theta=10000.0, feature_layers=(0, 1, 2), eos_token_ids=(0,),
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+    feature_layers=(0, 1, 2),
+    eos_token_ids=(0,),
 )
 
 

@@ -146,9 +146,7 @@ def test_brier_is_mean_squared_error() -> None:
 
 def test_prefix_labels_mark_accepted_prefix_and_verified_slots() -> None:
     labels, valid = prefix_labels(accepted=[0, 2, 3, 0], proposed=[3, 3, 3, 0], gamma=4)
-    np.testing.assert_array_equal(
-        labels, [[0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]
-    )
+    np.testing.assert_array_equal(labels, [[0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])
     np.testing.assert_array_equal(
         valid,
         [[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 0], [0, 0, 0, 0]],

@@ -31,8 +31,11 @@ def _run(policy, params: SamplingParams, n: int, batch: int, max_tokens: int, se
     outs, lengths = [], np.zeros(GAMMA + 1, dtype=np.int64)
     for b in range(n // batch):
         reqs = [
-            Request([0], max_tokens=max_tokens,
-                    params=SamplingParams(params.temperature, params.top_k, params.top_p, seed0 + b * batch + i))
+            Request(
+                [0],
+                max_tokens=max_tokens,
+                params=SamplingParams(params.temperature, params.top_k, params.top_p, seed0 + b * batch + i),
+            )
             for i in range(batch)
         ]
         for res in generate(target, reqs, drafter=drafter, policy=policy):

@@ -166,5 +166,13 @@ def test_to_dict_pads_to_requested_gamma_and_json_dict_has_no_nan() -> None:
     j = stats.to_json_dict(gamma=5)
     assert j["survival"][3:] == [None, None] and j["conditional"][3:] == [None, None]
     json.dumps(j, allow_nan=False)
-    assert set(d) >= {"rounds", "tau", "survival", "conditional", "verify_rate", "mean_verify_len",
-                      "accepted_per_position", "verified_per_position"}
+    assert set(d) >= {
+        "rounds",
+        "tau",
+        "survival",
+        "conditional",
+        "verify_rate",
+        "mean_verify_len",
+        "accepted_per_position",
+        "verified_per_position",
+    }

@@ -64,7 +64,8 @@ def test_target_only_loop_equals_full_recompute_greedy(models, prompts, target_o
 def test_greedy_output_equals_target_greedy_under_every_policy(models, prompts, target_only, mode):
     target, draft = models
     results = generate(
-        TargetRunner(target, 8, 128), _requests(prompts),
+        TargetRunner(target, 8, 128),
+        _requests(prompts),
         drafter=ModelDrafter(draft, block_size=GAMMA, num_slots=8, max_len=128),
         policy=parse_policy(mode, SPS),
         calibration=STS.identity(GAMMA),
@@ -81,7 +82,8 @@ def test_greedy_output_equals_target_greedy_under_every_policy(models, prompts, 
 def test_drafter_identical_to_target_accepts_every_verified_draft(models, prompts, target_only):
     target, _ = models
     results = generate(
-        TargetRunner(target, 8, 128), _requests(prompts),
+        TargetRunner(target, 8, 128),
+        _requests(prompts),
         drafter=ModelDrafter(target, block_size=GAMMA, num_slots=8, max_len=128),
         policy=parse_policy("static:7"),
     )
@@ -101,14 +103,21 @@ def test_slots_are_released_after_generation(models, prompts):
 
 def test_sampled_output_is_reproducible_from_the_seed_alone(models, prompts):
     target, draft = models
-    reqs = [Request(p, max_tokens=12, params=SamplingParams(temperature=1.0, seed=100 + i))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Request(p, max_tokens=12, params=SamplingParams(temperature=1.0, seed=100 + i))
+        for i, p in enumerate(prompts)
+    ]
 
     def run(batch):
-        return [r.tokens for r in generate(
-            TargetRunner(target, 8, 128), batch,
-            drafter=ModelDrafter(draft, block_size=GAMMA, num_slots=8, max_len=128),
-            policy=parse_policy("static:3"))]
+        return [
+            r.tokens
+            for r in generate(
+                TargetRunner(target, 8, 128),
+                batch,
+                drafter=ModelDrafter(draft, block_size=GAMMA, num_slots=8, max_len=128),
+                policy=parse_policy("static:3"),
+            )
+        ]
 
     together = run(reqs)
     alone = [run([r])[0] for r in reqs[:2]]

@@ -56,8 +56,15 @@ def test_generator_streams_depend_only_on_the_seed():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(temperature=-0.1), dict(temperature=math.nan), dict(temperature=math.inf), dict(top_p=0.0),
-     dict(top_p=1.5), dict(top_p=math.nan), dict(top_k=-1)],
+    [
+        dict(temperature=-0.1),
+        dict(temperature=math.nan),
+        dict(temperature=math.inf),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_p=math.nan),
+        dict(top_k=-1),
+    ],
 )
 def test_invalid_sampling_params_are_refused(kwargs):
     with pytest.raises(ValueError):

@@ -8,8 +8,16 @@ from tests.conftest import TINY, tiny_target
 def test_logits_match_transformers_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hc = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
+    hc = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     hf = LlamaForCausalLM(hc).eval()
     ours = LlamaTarget(TargetConfig.from_hf(hc, feature_layers=(0, 1)))
@@ -37,7 +45,7 @@ def test_incremental_ragged_steps_equal_one_full_forward():
         cuts = [(0, 4, 9, 15), (0, 1, 2, 15), (0, 7, 8, 15)]
         got = [[] for _ in range(3)]
         for step in range(3):
-            toks = [ids[i, cuts[i][step]:cuts[i][step + 1]].tolist() for i in range(3)]
+            toks = [ids[i, cuts[i][step] : cuts[i][step + 1]].tolist() for i in range(3)]
             out = r.step(slots, toks)
             for i in range(3):
                 got[i].append(out.logits[i, : len(toks[i])])
@@ -80,5 +88,13 @@ def test_sequence_longer_than_the_cache_is_refused():
 
 def test_feature_taps_never_include_the_last_layer():
     with pytest.raises(ValueError, match="never the last layer"):
-        TargetConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=3, num_heads=2,
-                     num_kv_heads=1, head_dim=4, feature_layers=(2,))
+        TargetConfig(
+            vocab_size=8,
+            hidden_size=8,
+            intermediate_size=8,
+            num_layers=3,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=4,
+            feature_layers=(2,),
+        )

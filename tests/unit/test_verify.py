@@ -15,8 +15,11 @@ def _one_position_law(p: torch.Tensor, q: torch.Tensor, grid: int = 300) -> torc
         if q[x] == 0:
             continue
         v = chain_verify(
-            torch.full((M, 1), x), q.expand(M, 1, V), torch.stack([p, p]).expand(M, 2, V),
-            torch.ones(M, dtype=torch.long), u,
+            torch.full((M, 1), x),
+            q.expand(M, 1, V),
+            torch.stack([p, p]).expand(M, 2, V),
+            torch.ones(M, dtype=torch.long),
+            u,
         )
         emitted = torch.where(v.accepted == 1, torch.full((M,), x), v.next_token)
         law += q[x].double() * torch.bincount(emitted, minlength=V).double() / M

