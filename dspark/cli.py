@@ -4,6 +4,7 @@ Subcommands that exist today:
   demo      load the real target and answer one prompt per eval domain (math, code, chat)
             through the reference loop, printing the text and tokens/s
   generate  one prompt through the reference loop, in-process
+  data      the target regenerates answers to the training prompts (resumable)
 
 Training, evaluation, export, engine builds, serving and benchmarks arrive with their issues
 (see README, "Status").
@@ -132,6 +133,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.data import TRAIN_POOLS, interleave, read_prompts, regenerate
+    from dspark.models import load_target
+
+    torch.set_num_threads(args.threads)
+    src = shared_dir() / "data" / "train_prompts"
+    missing = [p for p in TRAIN_POOLS if not (src / f"{p}.jsonl").exists()]
+    if missing:
+        print(f"error: training prompts {missing} not found in {src} (set DSPARK_SHARED)", file=sys.stderr)
+        return 2
+    prompts = interleave([read_prompts(src / f"{p}.jsonl") for p in TRAIN_POOLS])
+    loaded = load_target(args.target)
+    regenerate(
+        loaded,
+        prompts,
+        Path(args.out),
+        cache_dir=Path(args.cache) if args.cache else None,
+        batch=args.batch,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        limit=args.limit,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding, compiled and served")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -155,6 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     g.set_defaults(fn=cmd_generate)
+
+    dd = sub.add_parser("data", help="the target regenerates answers to the training prompts (resumable)")
+    dd.add_argument("--target", default="smollm2-135m-instruct")
+    dd.add_argument("--out", default="artifacts/data/answers.jsonl")
+    dd.add_argument("--cache", default="artifacts/cache", help="target cache folder ('' to skip)")
+    dd.add_argument("--batch", type=int, default=32)
+    dd.add_argument("--max-new-tokens", type=int, default=256)
+    dd.add_argument("--max-prompt-tokens", type=int, default=768)
+    dd.add_argument("--limit", type=int, default=None, help="stop after this many answers in total")
+    dd.add_argument("--threads", type=int, default=2)
+    dd.set_defaults(fn=cmd_data)
     return p
 
 

@@ -136,16 +136,20 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(R, N, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(R, N, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys = torch.cat([past_k, k], dim=2)
-        values = torch.cat([past_v, v], dim=2)
+        # GQA without copying K/V: group the query heads of each KV head ([R, KV, rep·N, D]),
+        # and score the cached and the new keys separately instead of concatenating them.
         rep = c.num_heads // c.num_kv_heads
-        keys = keys.repeat_interleave(rep, dim=1)
-        values = values.repeat_interleave(rep, dim=1)
-        scores = (q @ keys.transpose(-1, -2)) * (c.head_dim**-0.5)
+        qg = q.reshape(R, c.num_kv_heads, rep * N, c.head_dim) * (c.head_dim**-0.5)
+        scores = torch.cat([qg @ past_k.transpose(-1, -2), qg @ k.transpose(-1, -2)], dim=-1)
+        S = past_k.shape[2]
+        mask = mask.unsqueeze(2).expand(R, 1, rep, N, S + N).reshape(R, 1, rep * N, S + N)
         scores = scores.masked_fill(~mask, MASK_VALUE)
         low = scores.dtype in (torch.float16, torch.bfloat16)
-        out = torch.softmax(scores.float() if low else scores, dim=-1).to(q.dtype) @ values
-        out = out.transpose(1, 2).reshape(R, N, c.num_heads * c.head_dim)
+        probs = torch.softmax(scores.float() if low else scores, dim=-1).to(q.dtype)
+        out = probs[..., :S] @ past_v + probs[..., S:] @ v  # [R, KV, rep·N, D]
+        out = (
+            out.reshape(R, c.num_heads, N, c.head_dim).transpose(1, 2).reshape(R, N, c.num_heads * c.head_dim)
+        )
         return self.o_proj(out), k, v
 
 
@@ -298,6 +302,7 @@ class TargetStep:
 
     logits: torch.Tensor  # [R, N, V] (rows padded to the longest)
     features: torch.Tensor  # [R, N, F] tapped-layer features of the new tokens
+    last_hidden: torch.Tensor | None = None  # [R, N, d] final normed hidden (LM-head input)
 
 
 class TargetRunner:
@@ -349,8 +354,13 @@ class TargetRunner:
         valid = torch.arange(N).unsqueeze(0) < n.unsqueeze(1)
         positions = past_len.unsqueeze(1) + torch.arange(N).unsqueeze(0)
         S = int(past_len.max())
-        past_k = [k[slot_idx, :, :S] for k in c.k]
-        past_v = [v[slot_idx, :, :S] for v in c.v]
+        first = slots[0]
+        if slots == list(range(first, first + R)):  # contiguous slots: views, no copy
+            past_k = [k[first : first + R, :, :S] for k in c.k]
+            past_v = [v[first : first + R, :, :S] for v in c.v]
+        else:
+            past_k = [k[slot_idx, :, :S] for k in c.k]
+            past_v = [v[slot_idx, :, :S] for v in c.v]
         out = self.model(ids, positions, past_len, past_k, past_v, valid)
         rows, cols = valid.nonzero(as_tuple=True)
         dest_slot, dest_pos = slot_idx[rows], positions[rows, cols]
@@ -358,4 +368,4 @@ class TargetRunner:
             c.k[layer][dest_slot, :, dest_pos] = out.new_k[layer][rows, :, cols]
             c.v[layer][dest_slot, :, dest_pos] = out.new_v[layer][rows, :, cols]
         c.length[slot_idx] = past_len + n
-        return TargetStep(out.logits, out.features)
+        return TargetStep(out.logits, out.features, out.last_hidden)

@@ -1,0 +1,72 @@
+"""Training-data regeneration: resumable, and the on-the-fly target cache equals a full forward."""
+
+import json
+
+import numpy as np
+import torch
+
+from dspark.data import Prompt, read_answers, regenerate
+from dspark.models import LoadedTarget
+from dspark.target import TargetRunner
+from tests.conftest import TINY, tiny_target
+
+
+class CharTokenizer:
+    """Maps characters to ids 1..60; id 0 is the end of turn (the tiny target's stop id)."""
+
+    def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in msgs) + (
+            "<a>" if add_generation_prompt else ""
+        )
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1 + (ord(c) % (TINY.vocab_size - 1)) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _loaded():
+    return LoadedTarget(tiny_target(seed=5), CharTokenizer(), "tiny")
+
+
+PROMPTS = [Prompt("pool", i, "question number %d?" % i * (1 + i % 3)) for i in range(7)]
+
+
+def test_regeneration_is_resumable_and_deterministic(tmp_path):
+    loaded = _loaded()
+    out = tmp_path / "answers.jsonl"
+    regenerate(loaded, PROMPTS, out, batch=3, max_new_tokens=12, limit=4)
+    assert len(list(read_answers(out))) == 4
+    regenerate(loaded, PROMPTS, out, batch=3, max_new_tokens=12)
+    first = {a["key"]: a["answer_ids"] for a in read_answers(out)}
+    assert sorted(first) == sorted(p.key for p in PROMPTS)
+    again = tmp_path / "again.jsonl"
+    regenerate(loaded, PROMPTS, again, batch=2, max_new_tokens=12)  # other batch size, same answers
+    assert {a["key"]: a["answer_ids"] for a in read_answers(again)} == first
+
+
+def test_a_line_cut_by_an_interrupted_run_is_skipped(tmp_path):
+    out = tmp_path / "answers.jsonl"
+    out.write_text(json.dumps({"key": "pool/0"}) + "\n" + '{"key": "pool/1", "ans')
+    assert [a["key"] for a in read_answers(out)] == ["pool/0"]
+
+
+def test_captured_target_cache_equals_a_full_forward(tmp_path):
+    loaded = _loaded()
+    regenerate(
+        loaded, PROMPTS[:3], tmp_path / "a.jsonl", cache_dir=tmp_path / "cache", batch=2, max_new_tokens=10
+    )
+    runner = TargetRunner(loaded.model, 1, 256)
+    for rec in read_answers(tmp_path / "a.jsonl"):
+        z = np.load(tmp_path / "cache" / f"pool-{rec['index']}.npz")
+        tokens = rec["prompt_ids"] + rec["answer_ids"]
+        assert z["tokens"].tolist() == tokens and int(z["prompt_len"]) == len(rec["prompt_ids"])
+        slot = runner.allocate()
+        with torch.no_grad():
+            step = runner.step([slot], [tokens[:-1]])  # the last token is never fed
+        runner.release(slot)
+        assert z["features"].shape == (len(tokens) - 1, TINY.feature_size)
+        assert np.allclose(z["features"], step.features[0].numpy(), atol=2e-3 * np.abs(z["features"]).max())
+        assert np.allclose(z["last_hidden"], step.last_hidden[0].numpy(), atol=1e-2)
+        assert np.allclose(z["lse"], torch.logsumexp(step.logits[0], -1).numpy(), atol=1e-6)
