@@ -30,7 +30,7 @@ def _loaded():
     return LoadedTarget(tiny_target(seed=5), CharTokenizer(), "tiny")
 
 
-PROMPTS = [Prompt("pool", i, "question number %d?" % i * (1 + i % 3)) for i in range(7)]
+PROMPTS = [Prompt("pool", i, f"question number {i}?" * (1 + i % 3)) for i in range(7)]
 
 
 def test_regeneration_is_resumable_and_deterministic(tmp_path):
