@@ -248,8 +248,8 @@ def train(
             }
             history.append(rec)
             log(
-                f"[train] step {step}/{tc.steps} loss {rec['loss']:.3f} (ce {rec['ce']:.3f} tv {rec['tv']:.3f} "
-                f"conf {rec['conf']:.3f}) τ_prob {tau_prob:.2f} α {' '.join(f'{a:.2f}' for a in alpha)} "
+                f"[train] step {step}/{tc.steps} loss {rec['loss']:.3f} "
+                f"(ce {rec['ce']:.3f} tv {rec['tv']:.3f} conf {rec['conf']:.3f}) τ_prob {tau_prob:.2f} α {' '.join(f'{a:.2f}' for a in alpha)} "
                 f"[{elapsed + dt:.0f} s]"
             )
             acc_sum.zero_()

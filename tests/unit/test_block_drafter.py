@@ -11,7 +11,7 @@ from dspark.reference import Request, generate
 from dspark.sampling import SamplingParams
 from dspark.scheduler import parse_policy
 from dspark.target import TargetRunner
-from dspark.train import BlockBatch, Sequence, TrainConfig, block_loss, make_blocks, position_weights, train
+from dspark.train import Sequence, TrainConfig, block_loss, make_blocks, position_weights, train
 from tests.conftest import TINY, tiny_target
 from tests.unit.test_data import CharTokenizer
 
@@ -218,7 +218,6 @@ def test_sampling_with_a_vocabulary_subset_drafter_is_lossless():
     from scipy.stats import chisquare
 
     target = tiny_target(seed=3)
-    params = SamplingParams(temperature=1.0)
     prompt = [5, 17, 33]
     with torch.no_grad():
         r = TargetRunner(target, TINY.vocab_size, 8)
