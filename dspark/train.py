@@ -247,10 +247,11 @@ def train(
                 "seconds": elapsed + dt,
             }
             history.append(rec)
+            alphas = " ".join(f"{a:.2f}" for a in alpha)
             log(
                 f"[train] step {step}/{tc.steps} loss {rec['loss']:.3f} "
-                f"(ce {rec['ce']:.3f} tv {rec['tv']:.3f} conf {rec['conf']:.3f}) τ_prob {tau_prob:.2f} α {' '.join(f'{a:.2f}' for a in alpha)} "
-                f"[{elapsed + dt:.0f} s]"
+                f"(ce {rec['ce']:.3f} tv {rec['tv']:.3f} conf {rec['conf']:.3f}) "
+                f"τ_prob {tau_prob:.2f} α {alphas} [{elapsed + dt:.0f} s]"
             )
             acc_sum.zero_()
             acc_cnt.zero_()
