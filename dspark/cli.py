@@ -5,6 +5,8 @@ Subcommands that exist today:
             through the reference loop, printing the text and tokens/s
   generate  one prompt through the reference loop, in-process
   data      the target regenerates answers to the training prompts (resumable)
+  train     train a drafter (dspark, dspark-rnn, dflash, eagle3) on the target cache, fit STS, ship it
+  eval      offline acceptance evaluation of a drafter over a {"turns": [...]} JSONL file
 
 Training, evaluation, export, engine builds, serving and benchmarks arrive with their issues
 (see README, "Status").
@@ -160,6 +162,98 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.evaluate import rollout_traces
+    from dspark.models import load_target
+    from dspark.pipeline import SHIPPED, run_training, runner_for
+    from dspark.train import TrainConfig
+
+    torch.set_num_threads(args.threads)
+    loaded = load_target(args.target)
+    tc = TrainConfig(
+        steps=args.steps,
+        seqs_per_step=args.seqs_per_step,
+        anchors_per_seq=args.anchors,
+        lr=args.lr,
+        log_every=args.log_every,
+        ckpt_every=args.ckpt_every,
+    )
+    out = Path(args.out or f"artifacts/runs/{args.kind}")
+    res = run_training(
+        loaded,
+        args.kind,
+        Path(args.answers),
+        Path(args.cache),
+        out,
+        tc,
+        args.vocab_size,
+        args.layers,
+        until=args.until,
+    )
+    model, summary = res["model"], res["summary"]
+    if summary["steps"] < tc.steps:
+        print(f"[train] stopped at step {summary['steps']}/{tc.steps}; run the same command again to resume")
+        return 0
+    extra = {"summary": {k: v for k, v in summary.items() if k != "history"}, "history": summary["history"]}
+    if model.cfg.kind == "dspark" and res["held"]:
+        prompts = [a["prompt_ids"] for a in res["held"][: args.sts_prompts]]
+        print(
+            f"[train] fitting STS on speculative rollouts of {len(prompts)} held-out prompts (T=1)",
+            flush=True,
+        )
+        traces = rollout_traces(loaded, runner_for(model, 4, 2048), prompts, args.sts_tokens, temperature=1.0)
+        from dspark.evaluate import fit_sts_on_traces
+
+        extra["sts"] = fit_sts_on_traces(traces, model.cfg.block_size).to_dict()
+    dest = Path(args.ship) if args.ship else SHIPPED / args.kind
+    model.save(dest, extra=extra)
+    print(f"[train] saved {dest} ({sum(f.stat().st_size for f in dest.iterdir()) / 1e6:.1f} MB)")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.evaluate import EvalConfig, evaluate, read_first_turns
+    from dspark.models import load_target
+    from dspark.pipeline import load_drafter, runner_for
+
+    torch.set_num_threads(args.threads)
+    loaded = load_target(args.target)
+    try:
+        model, sts = load_drafter(args.drafter, loaded)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = EvalConfig(
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        batch=args.batch,
+    )
+    prompts = read_first_turns(Path(args.data), cfg.limit, cfg.seed)
+    with torch.no_grad():
+        out = evaluate(loaded, runner_for(model, cfg.batch, 4096), prompts, cfg, sts)
+    out.update(drafter=args.drafter, data=str(args.data), kind=model.cfg.kind)
+    text = json.dumps(out, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text)
+    print(
+        f"{Path(args.data).stem}: τ {out['tau']:.3f} over {out['rounds']} rounds, "
+        f"{out['new_tokens']} new tokens"
+        + (
+            f", ECE raw {out['ece_raw']:.3f} → STS {out['ece_sts']:.3f}"
+            if out.get("ece_sts") is not None
+            else ""
+        )
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding, compiled and served")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -194,6 +288,42 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--limit", type=int, default=None, help="stop after this many answers in total")
     dd.add_argument("--threads", type=int, default=2)
     dd.set_defaults(fn=cmd_data)
+
+    t = sub.add_parser("train", help="train a drafter on the target cache (resumable) and ship it")
+    t.add_argument("--kind", choices=["dspark", "dspark-rnn", "dflash", "eagle3"], default="dspark")
+    t.add_argument("--target", default="smollm2-135m-instruct")
+    t.add_argument("--answers", default="artifacts/data/answers.jsonl")
+    t.add_argument("--cache", default="artifacts/cache")
+    t.add_argument("--out", default=None, help="run folder (default artifacts/runs/KIND)")
+    t.add_argument("--ship", default=None, help="where the final drafter goes (default drafters/KIND)")
+    t.add_argument("--steps", type=int, default=600)
+    t.add_argument("--until", type=int, default=None, help="stop after this many steps (resume later)")
+    t.add_argument("--seqs-per-step", type=int, default=8)
+    t.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary size")
+    t.add_argument("--layers", type=int, default=None, help="draft layers (default 2; eagle3: 1)")
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--ckpt-every", type=int, default=50)
+    t.add_argument("--sts-prompts", type=int, default=40)
+    t.add_argument("--sts-tokens", type=int, default=128)
+    t.add_argument("--threads", type=int, default=2)
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="offline acceptance: fixed γ chain drafting over a {turns} JSONL file")
+    e.add_argument(
+        "--drafter", required=True, help="a checkpoint directory or a shipped name: dspark, dflash, eagle3"
+    )
+    e.add_argument("--data", required=True)
+    e.add_argument("--target", default="smollm2-135m-instruct")
+    e.add_argument("--limit", type=int, default=None)
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--seed", type=int, default=980406)
+    e.add_argument("--batch", type=int, default=4)
+    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--json", default=None, help="write the full result JSON here")
+    e.set_defaults(fn=cmd_eval)
     return p
 
 

@@ -61,11 +61,22 @@ class Request:
 
 
 @dataclass
+class RoundTrace:
+    """One speculative round of one request, for calibration and acceptance analysis."""
+
+    proposed: int  # ℓ, drafts verified
+    accepted: int  # drafts accepted (up to an accepted stop token)
+    stopped: bool  # ended on an accepted stop token
+    conf_logits: np.ndarray  # [γ] raw confidence logits of the block
+
+
+@dataclass
 class Result:
     tokens: list[int]
     finish_reason: str  # "stop" | "length"
     stats: AcceptanceStats
     seconds: float = 0.0
+    trace: list[RoundTrace] = field(default_factory=list)
 
 
 @dataclass
@@ -77,6 +88,7 @@ class _Live:
     out: list[int] = field(default_factory=list)
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     conf_history: list[np.ndarray] = field(default_factory=list)  # last two rounds, oldest first
+    trace: list[RoundTrace] = field(default_factory=list)
     finish: str | None = None
 
     @property
@@ -121,7 +133,7 @@ def generate(
             if s.slot >= 0:
                 _release(target, drafter if speculate else None, s)
     seconds = time.perf_counter() - t0
-    return [Result(s.out, s.finish or "length", s.stats, seconds) for s in live]
+    return [Result(s.out, s.finish or "length", s.stats, seconds, s.trace) for s in live]
 
 
 def _release(target: Target, drafter: Drafter | None, s: _Live) -> None:
@@ -199,11 +211,9 @@ def _speculative_round(
         )
         committed_inputs = [s.anchor] + drafts[r, :n].tolist()
         # a round that ends on an accepted stop token counts the drafts up to it, no bonus (§6.2)
-        s.stats.add(
-            RoundRecord(
-                proposed=int(lengths[r]), accepted=len(c.tokens) if c.stopped else n, stopped=c.stopped
-            )
-        )
+        record = RoundRecord(int(lengths[r]), len(c.tokens) if c.stopped else n, c.stopped)
+        s.stats.add(record)
+        s.trace.append(RoundTrace(record.proposed, record.accepted, record.stopped, raw[r].copy()))
         s.emit(c.tokens, c.finished)
         target.rollback(s.slot, start[r] + n + 1)
         if not c.finished:

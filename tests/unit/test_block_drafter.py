@@ -248,3 +248,11 @@ def test_sampling_with_a_vocabulary_subset_drafter_is_lossless():
     assert chisquare(obs, exp / exp.sum() * obs.sum()).pvalue > 1e-3
     odd_mass = law[1::2].sum()
     assert odd_mass > 0.1, "the test needs target mass outside the draft vocabulary"
+
+
+def test_draft_vocabulary_is_frequency_ranked_and_keeps_stop_tokens():
+    from dspark.train import build_draft_vocab
+
+    vocab, coverage = build_draft_vocab([[5, 5, 5, 7, 7, 9], [5, 7, 11]], size=3, must_include=[2])
+    assert vocab.tolist() == [2, 5, 7]
+    assert coverage == pytest.approx(7 / 9)
