@@ -149,6 +149,21 @@ def cmd_data(args: argparse.Namespace) -> int:
         return 2
     prompts = interleave([read_prompts(src / f"{p}.jsonl") for p in TRAIN_POOLS])
     loaded = load_target(args.target)
+    out, seed_from = Path(args.out), Path(args.seed_from) if args.seed_from else None
+    if seed_from is not None and seed_from.exists() and not out.exists():
+        import gzip
+        import shutil
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(seed_from, "rb") as src_f, out.open("wb") as dst_f:
+            shutil.copyfileobj(src_f, dst_f)
+        print(f"[data] starting from the committed answers in {seed_from}")
+    if args.cache:
+        from dspark.data import build_cache
+
+        n = build_cache(loaded, out, Path(args.cache))
+        if n:
+            print(f"[data] rebuilt the target cache for {n} committed answers")
     regenerate(
         loaded,
         prompts,
@@ -282,6 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--target", default="smollm2-135m-instruct")
     dd.add_argument("--out", default="artifacts/data/answers.jsonl")
     dd.add_argument("--cache", default="artifacts/cache", help="target cache folder ('' to skip)")
+    dd.add_argument(
+        "--seed-from",
+        default="data/regenerated/answers.jsonl.gz",
+        help="committed answers to start from when --out does not exist yet",
+    )
     dd.add_argument("--batch", type=int, default=32)
     dd.add_argument("--max-new-tokens", type=int, default=256)
     dd.add_argument("--max-prompt-tokens", type=int, default=768)

@@ -188,19 +188,53 @@ def regenerate(
 
 
 def _save_sample(path: Path, s: _Seq) -> None:
+    _write_npz(path, s.prompt_ids, s.out, torch.cat(s.feats), torch.cat(s.hidden), torch.cat(s.lse))
+
+
+def _write_npz(path: Path, prompt_ids, answer_ids, features, hidden, lse) -> None:
     import numpy as np
 
-    tokens = np.array(s.prompt_ids + s.out, dtype=np.int32)
     tmp = path.with_suffix(".tmp.npz")
     np.savez(
         tmp,
-        tokens=tokens,
-        prompt_len=np.int32(len(s.prompt_ids)),
-        features=torch.cat(s.feats).numpy(),
-        last_hidden=torch.cat(s.hidden).numpy(),
-        lse=torch.cat(s.lse).numpy(),
+        tokens=np.array(list(prompt_ids) + list(answer_ids), dtype=np.int32),
+        prompt_len=np.int32(len(prompt_ids)),
+        features=features.to(torch.float16).numpy(),
+        last_hidden=hidden.to(torch.float16).numpy(),
+        lse=lse.float().numpy(),
     )
     tmp.rename(path)
+
+
+def build_cache(loaded: LoadedTarget, answers_path: Path, cache_dir: Path, batch_tokens: int = 2048) -> int:
+    """Rebuild the target cache from committed answers (one forward over prompt + answer per
+    sample, skipping samples already cached). Returns the number of samples written."""
+    from tqdm import tqdm
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    todo = [
+        a for a in read_answers(answers_path) if not (cache_dir / f"{a['pool']}-{a['index']}.npz").exists()
+    ]
+    runner = TargetRunner(
+        loaded.model,
+        num_slots=1,
+        max_len=max([1] + [len(a["prompt_ids"]) + len(a["answer_ids"]) for a in todo]),
+    )
+    for a in tqdm(todo, unit="sample", dynamic_ncols=True, mininterval=10):
+        tokens = a["prompt_ids"] + a["answer_ids"]
+        slot = runner.allocate()
+        with torch.no_grad():
+            step = runner.step([slot], [tokens[:-1]])  # the last token is never fed
+        runner.release(slot)
+        _write_npz(
+            cache_dir / f"{a['pool']}-{a['index']}.npz",
+            a["prompt_ids"],
+            a["answer_ids"],
+            step.features[0],
+            step.last_hidden[0],
+            torch.logsumexp(step.logits[0].float(), dim=-1),
+        )
+    return len(todo)
 
 
 def estimate(loaded: LoadedTarget, prompts: list[Prompt], tok_per_s: float, mean_answer: float) -> str:

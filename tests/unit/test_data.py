@@ -70,3 +70,19 @@ def test_captured_target_cache_equals_a_full_forward(tmp_path):
         assert np.allclose(z["features"], step.features[0].numpy(), atol=2e-3 * np.abs(z["features"]).max())
         assert np.allclose(z["last_hidden"], step.last_hidden[0].numpy(), atol=1e-2)
         assert np.allclose(z["lse"], torch.logsumexp(step.logits[0], -1).numpy(), atol=1e-6)
+
+
+def test_cache_rebuilt_from_answers_equals_the_cache_captured_during_generation(tmp_path):
+    from dspark.data import build_cache
+
+    loaded = _loaded()
+    regenerate(
+        loaded, PROMPTS[:3], tmp_path / "a.jsonl", cache_dir=tmp_path / "live", batch=2, max_new_tokens=10
+    )
+    assert build_cache(loaded, tmp_path / "a.jsonl", tmp_path / "rebuilt") == 3
+    for f in sorted((tmp_path / "live").glob("*.npz")):
+        a, b = np.load(f), np.load(tmp_path / "rebuilt" / f.name)
+        assert a["tokens"].tolist() == b["tokens"].tolist()
+        assert np.allclose(a["features"], b["features"], atol=2e-3 * np.abs(a["features"]).max())
+        assert np.allclose(a["lse"], b["lse"], atol=1e-6)
+    assert build_cache(loaded, tmp_path / "a.jsonl", tmp_path / "rebuilt") == 0  # nothing left to do
