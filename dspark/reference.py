@@ -112,11 +112,10 @@ def generate(
     policy = policy or Off()
     speculate = drafter is not None and not isinstance(policy, Off)
     t0 = time.perf_counter()
-    live = [
-        _Live(rid, req, target.allocate(), make_generator(req.params.seed))
-        for rid, req in enumerate(requests)
-    ]
+    live: list[_Live] = []
     try:
+        for rid, req in enumerate(requests):
+            live.append(_Live(rid, req, target.allocate(), make_generator(req.params.seed)))
         _prefill(target, live, drafter if speculate else None)
         active = [s for s in live if s.finish is None]
         while active:

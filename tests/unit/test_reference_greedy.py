@@ -122,3 +122,20 @@ def test_sampled_output_is_reproducible_from_the_seed_alone(models, prompts):
     together = run(reqs)
     alone = [run([r])[0] for r in reqs[:2]]
     assert together[:2] == alone
+
+
+def test_slots_are_released_when_generation_fails(models, prompts):
+    target, draft = models
+    runner = TargetRunner(target, 5, 32)
+    drafter = ModelDrafter(draft, block_size=GAMMA, num_slots=5, max_len=32)
+    too_long = _requests(prompts[:2]) + [Request(list(range(1, 40)), max_tokens=4)]
+    with pytest.raises(ValueError, match="exceed the KV cache length"):
+        generate(runner, too_long, drafter=drafter, policy=parse_policy("static:3"))
+    with pytest.raises(RuntimeError, match="KV slots are in use"):
+        generate(
+            runner,
+            _requests(prompts) + _requests(prompts[:1]),
+            drafter=drafter,
+            policy=parse_policy("static:3"),
+        )
+    assert runner.cache.free_slots == 5 and drafter.runner.cache.free_slots == 5
