@@ -354,8 +354,9 @@ class Eagle3Runner(Drafter):
     Each request owns a slot: its committed tokens, their fused features g_t, and per layer the
     draft KV cache. Entry t of the cache needs x_{t+1}, so it is filled lazily at `propose`:
     `filled[slot]` entries are complete, and a proposal first runs the pending committed
-    positions filled..s−1 (the last of them, s−1, takes the anchor x_s: that is step 1). The
-    chain's later steps write temporary entries at s, s+1, … that the next proposal overwrites.
+    positions filled..s−1 (the last of them, s−1, takes the anchor x_s: that is step 1, rerun
+    if a request proposes twice without advancing). The chain's later steps write temporary
+    entries at s, s+1, … that the next proposal overwrites.
     Confidence logits are zeros: EAGLE-3 has no confidence head.
     """
 
@@ -367,7 +368,8 @@ class Eagle3Runner(Drafter):
         self.block_size = cfg.block_size
         self.vocab_size = model.embed.shape[0]
         dtype = model.fc.weight.dtype
-        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        # room for the chain's temporary entries after a full context of max_len positions
+        shape = (num_slots, cfg.num_kv_heads, max_len + cfg.block_size - 1, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
         self.g = torch.zeros(num_slots, max_len, cfg.hidden_size, dtype=dtype)  # fused features
@@ -387,7 +389,7 @@ class Eagle3Runner(Drafter):
         n, start = len(token_ids), int(self.length[slot])
         if features.shape[0] != n:
             raise ValueError(f"got {n} tokens but features for {features.shape[0]} positions")
-        if start + n + self.block_size - 1 > self.max_len:
+        if start + n > self.max_len:
             raise ValueError(f"drafter context would exceed {self.max_len} positions: raise max_len")
         self.tokens[slot, start : start + n] = torch.tensor(token_ids, dtype=torch.long)
         self.g[slot, start : start + n] = self.model.fuse_features(features)
@@ -441,10 +443,9 @@ class Eagle3Runner(Drafter):
         us = torch.stack([uniforms(g, G) for g in gens])
         slots = torch.tensor([self._slot[r] for r in rids])
         s = self.length[slots]  # anchor positions
-        if int(s.max()) + G - 1 > self.max_len:
-            raise ValueError(f"drafter context would exceed {self.max_len} positions: raise max_len")
-        start = self.filled[slots]
-        n = s - start  # pending committed positions start..s−1, n ≥ 1
+        # pending committed positions start..s−1; s−1 always, as its entry depends on the anchor
+        start = torch.minimum(self.filled[slots], s - 1)
+        n = s - start
         pos = start.unsqueeze(1) + torch.arange(int(n.max()))
         idx = pos.clamp(max=self.max_len - 1)
         nxt = self.tokens[slots.unsqueeze(1), (idx + 1).clamp(max=self.max_len - 1)]

@@ -1,8 +1,10 @@
+import os
+
 import torch
 
 from dspark.target import LlamaTarget, TargetConfig
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 TINY = TargetConfig(
     vocab_size=61,
