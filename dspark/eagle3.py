@@ -39,15 +39,13 @@ confidence-free policies (static:k).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from dspark.drafter import Drafter, Proposal
+from dspark.drafter import Drafter, DraftModelMixin, Proposal
 from dspark.sampling import sample, uniforms, warp
 from dspark.target import MASK_VALUE, MLP, RMSNorm, TargetConfig, apply_rope, rope_cos_sin
 
@@ -166,7 +164,9 @@ class Eagle3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(DraftModelMixin, nn.Module):
+    config_class = Eagle3Config
+
     def __init__(self, cfg: Eagle3Config, draft_vocab: torch.Tensor) -> None:
         super().__init__()
         self.cfg = cfg
@@ -185,17 +185,6 @@ class Eagle3Drafter(nn.Module):
         self.lm_head: torch.Tensor | None = None  # frozen target LM-head rows of the subset [Vd, d]
 
     # -- setup -------------------------------------------------------------------------------
-
-    def attach(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> Eagle3Drafter:
-        """Take the frozen embedding and LM head from the target (never trained, never saved)."""
-        V = embed_weight.shape[0]
-        dtype = self.fc.weight.dtype
-        self.embed = embed_weight.detach().to(dtype)
-        self.lm_head = lm_head_weight.detach()[self.draft_vocab].to(dtype)
-        to_draft = torch.full((V,), self.cfg.draft_vocab_size, dtype=torch.long)
-        to_draft[self.draft_vocab] = torch.arange(self.cfg.draft_vocab_size)
-        self.to_draft = to_draft
-        return self
 
     def init_weights(self, seed: int = 0) -> Eagle3Drafter:
         g = torch.Generator().manual_seed(seed)
@@ -320,32 +309,6 @@ class Eagle3Drafter(nn.Module):
             (accept.detach() * blocks.valid).sum(0),
             blocks.valid.sum(0).float(),
         )
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def save(self, path: Path, extra: dict | None = None) -> None:
-        from safetensors.torch import save_file
-
-        path.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            k: v.detach().to(torch.float16 if v.is_floating_point() else v.dtype).contiguous()
-            for k, v in self.state_dict().items()
-        }
-        save_file(tensors, str(path / "drafter.safetensors"))
-        (path / "drafter.json").write_text(
-            json.dumps({"config": self.cfg.to_dict(), **(extra or {})}, indent=2)
-        )
-
-    @classmethod
-    def load(cls, path: Path, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
-        from safetensors.torch import load_file
-
-        meta = json.loads((path / "drafter.json").read_text())
-        cfg = Eagle3Config(**meta["config"])
-        state = load_file(str(path / "drafter.safetensors"))
-        m = cls(cfg, state["draft_vocab"])
-        m.load_state_dict(state)
-        return m.to(dtype).eval()
 
 
 class Eagle3Runner(Drafter):
