@@ -36,6 +36,7 @@ eval: setup
 	  $(PY) -m dspark.cli eval --drafter $$d --data ../shared/data/eval/$$s.jsonl --limit 40 \
 	    --max-new-tokens 256 --temperature $$t --json artifacts/eval/$$d-$$s-T$$t.json || exit 1; \
 	done; done; done
+	$(PY) -m dspark.cli report
 
 lint: setup
 	$(PY) -m ruff check dspark tests

@@ -7,6 +7,7 @@ Subcommands that exist today:
   data      the target regenerates answers to the training prompts (resumable)
   train     train a drafter (dspark, dspark-rnn, dflash, eagle3) on the target cache, fit STS, ship it
   eval      offline acceptance evaluation of a drafter over a {"turns": [...]} JSONL file
+  report    τ / ECE tables and plots from the eval results
 
 Training, evaluation, export, engine builds, serving and benchmarks arrive with their issues
 (see README, "Status").
@@ -251,12 +252,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     prompts = read_first_turns(Path(args.data), cfg.limit, cfg.seed)
     with torch.no_grad():
-        out = evaluate(loaded, runner_for(model, cfg.batch, 4096), prompts, cfg, sts)
+        out, arrays = evaluate(loaded, runner_for(model, cfg.batch, 4096), prompts, cfg, sts)
     out.update(drafter=args.drafter, data=str(args.data), kind=model.cfg.kind)
-    text = json.dumps(out, indent=2)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
+        import numpy as np
+
+        dest = Path(args.json)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(json.dumps(out, indent=2))
+        np.savez(dest.with_suffix(".rounds.npz"), **arrays)  # for reliability plots
     print(
         f"{Path(args.data).stem}: τ {out['tau']:.3f} over {out['rounds']} rounds, "
         f"{out['new_tokens']} new tokens"
@@ -266,6 +270,51 @@ def cmd_eval(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from dspark.calibration import STS
+    from dspark.report import (
+        ece_table,
+        load_evals,
+        plot_conditional,
+        plot_reliability,
+        plot_training,
+        tau_table,
+    )
+
+    evals = load_evals(Path(args.evals))
+    if not evals:
+        print(f"error: no eval JSON in {args.evals}: run `make eval` first", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_conditional(evals, out / "conditional_acceptance.png")
+    drafters = sorted(p for p in Path(args.drafters).glob("*") if (p / "drafter.json").exists())
+    plot_training(drafters, out / "training_curves.png")
+    for d in drafters:
+        meta = json.loads((d / "drafter.json").read_text())
+        rounds = sorted(Path(args.evals).glob(f"{d.name}-*-T1.rounds.npz"))
+        if meta.get("sts") and rounds:
+            z = [np.load(r) for r in rounds]
+            plot_reliability(
+                np.concatenate([a["logits"] for a in z]),
+                np.concatenate([a["accepted"] for a in z]),
+                np.concatenate([a["proposed"] for a in z]),
+                STS.from_dict(meta["sts"]),
+                out / f"reliability_{d.name}.png",
+            )
+    (out / "acceptance.md").write_text(
+        "## τ (bonus token included)\n\n"
+        + tau_table(evals)
+        + "\n\n## Calibration of prefix survival\n\n"
+        + ece_table(evals)
+        + "\n"
+    )
+    print(f"[report] wrote {out}/acceptance.md and plots")
     return 0
 
 
@@ -344,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--threads", type=int, default=2)
     e.add_argument("--json", default=None, help="write the full result JSON here")
     e.set_defaults(fn=cmd_eval)
+
+    rp = sub.add_parser("report", help="τ / ECE tables and plots from eval JSON files")
+    rp.add_argument("--evals", default="artifacts/eval")
+    rp.add_argument("--drafters", default="drafters")
+    rp.add_argument("--out", default="docs/acceptance")
+    rp.set_defaults(fn=cmd_report)
     return p
 
 

@@ -66,7 +66,8 @@ def evaluate(
     cfg: EvalConfig,
     sts: STS | None = None,
     progress: bool = True,
-) -> dict:
+) -> tuple[dict, dict]:
+    """Returns the result JSON and the per-round arrays (confidence logits, accepted, proposed)."""
     from tqdm import tqdm
 
     gamma = drafter.block_size
@@ -106,7 +107,7 @@ def evaluate(
         report = calibration_report(logits, accepted, proposed, sts)
         out["ece_raw"], out["ece_sts"] = report["ece_raw"], report["ece_sts"]
         out["calibration"] = report
-    return out
+    return out, {"logits": logits, "accepted": accepted, "proposed": proposed}
 
 
 def fit_sts_on_traces(traces: list[RoundTrace], gamma: int) -> STS:
