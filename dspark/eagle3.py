@@ -47,7 +47,15 @@ from torch import nn
 
 from dspark.drafter import Drafter, DraftModelMixin, Proposal
 from dspark.sampling import sample, uniforms, warp
-from dspark.target import MASK_VALUE, MLP, RMSNorm, TargetConfig, apply_rope, rope_cos_sin
+from dspark.target import (
+    MASK_VALUE,
+    MLP,
+    RMSNorm,
+    TargetConfig,
+    add_attention_projections,
+    apply_rope,
+    rope_cos_sin,
+)
 
 if TYPE_CHECKING:
     from dspark.train import BlockBatch, LossOut, Sequence
@@ -117,11 +125,8 @@ class Eagle3Layer(nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.cfg = cfg
-        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(d, h * hd, bias=False)
-        self.k_proj = nn.Linear(d, kv * hd, bias=False)
-        self.v_proj = nn.Linear(d, kv * hd, bias=False)
-        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        add_attention_projections(self, cfg)
+        d = cfg.hidden_size
         self.mlp = MLP(cfg)  # same field names as TargetConfig
         self.input_layernorm = RMSNorm(d, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_eps)

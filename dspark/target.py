@@ -118,15 +118,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
+def add_attention_projections(module: nn.Module, cfg) -> None:
+    """q/k/v/o projections of a GQA attention (Llama names, no bias), on any layer config with
+    hidden_size, num_heads, num_kv_heads and head_dim (target and drafter layers alike)."""
+    d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    module.q_proj = nn.Linear(d, h * hd, bias=False)
+    module.k_proj = nn.Linear(d, kv * hd, bias=False)
+    module.v_proj = nn.Linear(d, kv * hd, bias=False)
+    module.o_proj = nn.Linear(h * hd, d, bias=False)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(d, h * hd, bias=False)
-        self.k_proj = nn.Linear(d, kv * hd, bias=False)
-        self.v_proj = nn.Linear(d, kv * hd, bias=False)
-        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        add_attention_projections(self, cfg)
 
     def forward(self, x, cos, sin, past_k, past_v, mask):
         """x [R, N, d]; past_k/v [R, KV, S, D]; mask [R, 1, N, S+N] bool (True = may attend)."""
