@@ -25,22 +25,28 @@ test-slow: setup
 data: setup
 	$(PY) -m dspark.cli data
 
-train: data
-	$(PY) -m dspark.cli train --kind dspark
-	$(PY) -m dspark.cli train --kind dflash
-	$(PY) -m dspark.cli train --kind eagle3
+# `make train` trains on the answers already regenerated (the committed snapshot on a fresh clone);
+# run `make data` first to generate the rest. Same token budget for the three drafters.
+TRAIN_STEPS ?= 500
+train: setup
+	$(PY) -m dspark.cli data --no-generate
+	for k in dspark dflash eagle3; do \
+	  $(PY) -m dspark.cli train --kind $$k --steps $(TRAIN_STEPS) || exit 1; done
 
-EVAL_SETS := gsm8k-test humaneval mt-bench
+EVAL_SETS  := gsm8k-test humaneval mt-bench
+EVAL_LIMIT ?= 24
+EVAL_TOKENS ?= 192
 eval: setup
 	for d in dspark dflash eagle3; do for s in $(EVAL_SETS); do for t in 0 1; do \
-	  $(PY) -m dspark.cli eval --drafter $$d --data ../shared/data/eval/$$s.jsonl --limit 40 \
-	    --max-new-tokens 256 --temperature $$t --json artifacts/eval/$$d-$$s-T$$t.json || exit 1; \
+	  $(PY) -m dspark.cli eval --drafter $$d --data ../shared/data/eval/$$s.jsonl --limit $(EVAL_LIMIT) \
+	    --max-new-tokens $(EVAL_TOKENS) --batch 8 --temperature $$t --json artifacts/eval/$$d-$$s-T$$t.json \
+	    || exit 1; \
 	done; done; done
 	$(PY) -m dspark.cli report
 
 lint: setup
-	$(PY) -m ruff check dspark tests
-	$(PY) -m ruff format --check dspark tests
+	$(PY) -m ruff check dspark export engines tests
+	$(PY) -m ruff format --check dspark export engines tests
 
 clean:
 	rm -rf build artifacts .pytest_cache

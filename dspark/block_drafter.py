@@ -116,8 +116,11 @@ class DraftLayer(nn.Module):
         v = self.v_proj(c).view(R, T, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_ok):
-        """x [B, G, d] block tokens; ctx_k/v [B or 1, KV, S, D]; ctx_ok [B, S] bool (key j < anchor)."""
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_ok, extra=None):
+        """x [B, G, d] block tokens; ctx_k/v [B or 1, KV, S, D]; ctx_ok [B, S] bool (key j < anchor).
+
+        `extra` = (k, v, ok) is a second context segment scored separately (no concatenation of
+        the cache): the exported backbone passes the round's new context positions this way."""
         B, G, _ = x.shape
         c = self.cfg
         u = self.input_layernorm(x)
@@ -126,11 +129,19 @@ class DraftLayer(nn.Module):
         v = self.v_proj(u).view(B, G, c.num_kv_heads, c.head_dim).transpose(1, 2)
         rep = c.num_heads // c.num_kv_heads
         qg = q.reshape(B, c.num_kv_heads, rep * G, c.head_dim) * (c.head_dim**-0.5)
-        s_ctx = (qg @ ctx_k.transpose(-1, -2)).masked_fill(~ctx_ok[:, None, None, :], MASK_VALUE)
-        s_blk = qg @ k.transpose(-1, -2)  # non-causal within the block
-        probs = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
-        S = ctx_k.shape[2]
-        out = probs[..., :S] @ ctx_v + probs[..., S:] @ v
+        segments = [(ctx_k, ctx_v, ctx_ok)] + ([extra] if extra is not None else [])
+        scores = [
+            (qg @ sk.transpose(-1, -2)).masked_fill(~ok[:, None, None, :], MASK_VALUE)
+            for sk, _, ok in segments
+        ]
+        scores.append(qg @ k.transpose(-1, -2))  # non-causal within the block
+        probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+        out, start = 0, 0
+        for _, sv, _ in segments:
+            S = sv.shape[2]
+            out = out + probs[..., start : start + S] @ sv
+            start += S
+        out = out + probs[..., start:] @ v
         out = out.reshape(B, c.num_heads, G, c.head_dim).transpose(1, 2).reshape(B, G, -1)
         x = x + self.o_proj(out)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -192,11 +203,12 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, c.dtype)
         return [layer.context_kv(c, cos, sin) for layer in self.layers]
 
-    def backbone(self, anchors: torch.Tensor, p0: torch.Tensor, ctx_kv, ctx_ok: torch.Tensor):
+    def backbone(self, anchors: torch.Tensor, p0: torch.Tensor, ctx_kv, ctx_ok: torch.Tensor, extra=None):
         """Base logits U [B, γ, Vd] and hidden h [B, γ, d] for blocks [anchor, MASK×(γ−1)].
 
         anchors, p0: [B] (anchor token ids and positions); ctx_kv: per layer (k, v) with shape
-        [B or 1, KV, S, D]; ctx_ok: [B, S] True where a context key may be attended (pos < p0).
+        [B or 1, KV, S, D]; ctx_ok: [B, S] True where a context key may be attended (pos < p0);
+        extra: optional per layer (k, v, ok), a second context segment (see DraftLayer.forward).
         """
         G = self.cfg.block_size
         B = anchors.shape[0]
@@ -204,8 +216,8 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         x[:, 0] = self.embed[anchors]
         pos = p0.unsqueeze(1) + torch.arange(G)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, ctx_ok)
+        for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
+            x = layer(x, cos, sin, k, v, ctx_ok, extra[i] if extra is not None else None)
         h = self.norm(x)
         return h @ self.lm_head.T, h
 
@@ -309,9 +321,7 @@ class BlockDrafterRunner(Drafter):
 
     @torch.no_grad()
     def propose(self, rids, anchors, params, gens) -> Proposal:
-        m, G = self.model, self.block_size
-        R = len(rids)
-        us = torch.stack([uniforms(g, G) for g in gens])
+        m = self.model
         slots = torch.tensor([self._slot[r] for r in rids])
         p0 = self.length[slots]
         S = int(p0.max())
@@ -319,18 +329,31 @@ class BlockDrafterRunner(Drafter):
         ctx_ok = torch.arange(S).unsqueeze(0) < p0.unsqueeze(1)
         anchor_ids = torch.tensor(anchors)
         U, h = m.backbone(anchor_ids, p0, ctx_kv, ctx_ok)
-        tokens = torch.zeros(R, G, dtype=torch.long)
-        probs = torch.zeros(R, G, self.vocab_size)
-        conf = torch.zeros(R, G)
-        prev, state = m.to_draft[anchor_ids], None
-        for k in range(G):
-            z, c, state = m.head_step(U[:, k], h[:, k], prev, state)
-            conf[:, k] = c.float()
-            nxt = torch.empty(R, dtype=torch.long)
-            for r in range(R):
-                q = warp(z[r], params[r])  # over the draft vocabulary; zero elsewhere
-                probs[r, k, m.draft_vocab] = q
-                nxt[r] = sample(q, us[r, k])
-            tokens[:, k] = m.draft_vocab[nxt]
-            prev = nxt
-        return Proposal(tokens, probs, conf)
+        return sample_block(
+            m.head_step, U, h, m.to_draft[anchor_ids], m.draft_vocab, self.vocab_size, params, gens
+        )
+
+
+def sample_block(head_step, U, h, prev, draft_vocab, vocab_size, params, gens) -> Proposal:
+    """The sequential stage of one round, shared by the PyTorch and the engine runners.
+
+    head_step(U_k, h_k, prev, state) -> (z_k, c_k, state) is the Markov/RNN head (PyTorch or
+    an engine); U [R, γ, Vd] and h [R, γ, d] come from the backbone; prev [R] are the anchors
+    as draft indices. Each request draws its γ uniforms first, in slot order."""
+    R, G = U.shape[0], U.shape[1]
+    us = torch.stack([uniforms(g, G) for g in gens])
+    tokens = torch.zeros(R, G, dtype=torch.long)
+    probs = torch.zeros(R, G, vocab_size)
+    conf = torch.zeros(R, G)
+    state = None
+    for k in range(G):
+        z, c, state = head_step(U[:, k], h[:, k], prev, state)
+        conf[:, k] = c.float()
+        nxt = torch.empty(R, dtype=torch.long)
+        for r in range(R):
+            q = warp(z[r], params[r])  # over the draft vocabulary; zero elsewhere
+            probs[r, k, draft_vocab] = q
+            nxt[r] = sample(q, us[r, k])
+        tokens[:, k] = draft_vocab[nxt]
+        prev = nxt
+    return Proposal(tokens, probs, conf)

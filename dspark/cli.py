@@ -165,6 +165,9 @@ def cmd_data(args: argparse.Namespace) -> int:
         n = build_cache(loaded, out, Path(args.cache))
         if n:
             print(f"[data] rebuilt the target cache for {n} committed answers")
+    if args.no_generate:
+        print("[data] --no-generate: using the answers already there (run `make data` to generate the rest)")
+        return 0
     regenerate(
         loaded,
         prompts,
@@ -356,6 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--max-prompt-tokens", type=int, default=768)
     dd.add_argument("--limit", type=int, default=None, help="stop after this many answers in total")
     dd.add_argument("--threads", type=int, default=2)
+    dd.add_argument(
+        "--no-generate",
+        action="store_true",
+        help="only unpack the committed answers and rebuild their target cache; generate nothing new",
+    )
     dd.set_defaults(fn=cmd_data)
 
     t = sub.add_parser("train", help="train a drafter on the target cache (resumable) and ship it")
