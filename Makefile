@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup demo test test-fast test-slow lint clean data train eval
+.PHONY: setup demo test test-fast test-slow lint clean data train eval engines
 
 setup:
 	@bash scripts/setup.sh
@@ -44,9 +44,16 @@ eval: setup
 	done; done; done
 	$(PY) -m dspark.cli report
 
+# Engines (issue 4): ONNX graphs + ORT-optimized engines + manifest.json in build/engines
+# (incremental; TensorRT plans only where tensorrt and a GPU exist).
+BUCKETS ?= 1,2,4,8,16
+MAX_CONTEXT ?= 2048
+engines: setup
+	$(PY) -m dspark.cli engines --drafter dspark --out build/engines --buckets $(BUCKETS) --max-context $(MAX_CONTEXT)
+
 lint: setup
-	$(PY) -m ruff check dspark export engines tests
-	$(PY) -m ruff format --check dspark export engines tests
+	$(PY) -m ruff check dspark export engines perf tests
+	$(PY) -m ruff format --check dspark export engines perf tests
 
 clean:
 	rm -rf build artifacts .pytest_cache

@@ -407,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--drafters", default="drafters")
     rp.add_argument("--out", default="docs/acceptance")
     rp.set_defaults(fn=cmd_report)
+
+    from engines.cli import add_parser as add_engines
+
+    add_engines(sub)
     return p
 
 

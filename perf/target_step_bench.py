@@ -29,7 +29,10 @@ def main() -> None:
             t = time.perf_counter()
             runner.step(slots, [[5]] * R)
             best = min(best, time.perf_counter() - t)
-        print(f"R={R} P={P}: prefill {prefill:.0f} tok/s; decode step {best * 1000:.0f} ms = {R / best:.0f} tok/s")
+        print(
+            f"R={R} P={P}: prefill {prefill:.0f} tok/s; "
+            f"decode step {best * 1000:.0f} ms = {R / best:.0f} tok/s"
+        )
 
 
 if __name__ == "__main__":
