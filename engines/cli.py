@@ -18,6 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-context", type=int, default=2048, help="drafter context positions per sequence")
     p.add_argument("--threads", type=int, default=2, help="ORT intra-op threads (recorded in the manifest)")
     p.add_argument("--no-verify", action="store_true", help="skip the PyTorch/polygraphy comparisons")
+    p.add_argument(
+        "--int8", action="store_true", help="also build a dynamic-int8 target (a different target: see docs)"
+    )
     p.set_defaults(fn=run)
 
 
@@ -76,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
         sha256_tensors(drafter),
         {"drafter": str(args.drafter), "sts": sts.to_dict() if sts is not None else None},
     )
+    if args.int8:
+        from engines.build import build_int8_target
+
+        build_int8_target(b)
     ok, why = tensorrt_status()
     if not ok:
         print(f"[engines] TensorRT plans: skipped — {why}. The ONNX Runtime CPU engines above are complete.")
