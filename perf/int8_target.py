@@ -42,7 +42,7 @@ def main() -> None:
     runners = {k: OrtTargetRunner(session(eng / f), cfg, 4, 2048) for k, f in files.items()}
     ctx = [(7 * i) % 5000 + 100 for i in range(256)]
     speed = {}
-    for k, r in runners.items():
+    for r in runners.values():
         r.step([r.allocate()], [ctx])
     for n in (1, 8):
         for k, r in runners.items():
