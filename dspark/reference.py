@@ -43,7 +43,10 @@ class Target(Protocol):
     def release(self, slot: int) -> None: ...
     def rollback(self, slot: int, length: int) -> None: ...
     def length(self, slot: int) -> int: ...
-    def step(self, slots: list[int], tokens: list[list[int]]) -> TargetStep: ...
+    def step(self, slots: list[int], tokens: list[list[int]], last_only: bool = False) -> TargetStep:
+        """Append tokens[r] to slot slots[r]; logits of every new position, or with last_only
+        only of each row's last one ([R, 1, V]: a prefill needs nothing else)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -144,10 +147,10 @@ def _release(target: Target, drafter: Drafter | None, s: _Live) -> None:
 
 def _prefill(target: Target, live: list[_Live], drafter: Drafter | None) -> None:
     """Prompt forward for every request; the first token is sampled from the target."""
-    step = target.step([s.slot for s in live], [list(s.req.prompt_ids) for s in live])
+    step = target.step([s.slot for s in live], [list(s.req.prompt_ids) for s in live], last_only=True)
     for r, s in enumerate(live):
         n = len(s.req.prompt_ids)
-        p = warp(step.logits[r, n - 1], s.req.params)
+        p = warp(step.logits[r, 0], s.req.params)
         tok = int(sample(p, uniforms(s.gen, 1)[0]))
         s.emit([tok], tok in s.req.stop_ids or s.req.max_tokens <= 1)
         if drafter is not None:

@@ -234,11 +234,13 @@ class LlamaTarget(nn.Module):
         past_k: list[torch.Tensor],
         past_v: list[torch.Tensor],
         valid: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> ForwardOut:
         """One forward over N new tokens per row, after `past_len[r]` cached tokens.
 
         input_ids, positions: [R, N]; past_k/past_v: per layer [R, KV, S, D] (only the first
-        past_len[r] entries of row r are attended); valid: [R, N] bool, False for padding.
+        past_len[r] entries of row r are attended); valid: [R, N] bool, False for padding;
+        logits_at: [R] one position per row: logits only there ([R, 1, V]), not at every position.
         """
         R, N = input_ids.shape
         S = past_k[0].shape[2] if past_k else 0
@@ -258,7 +260,8 @@ class LlamaTarget(nn.Module):
                 taps.append(x)
         last = self.model.norm(x)
         feats = torch.cat(taps, dim=-1) if taps else x.new_zeros(R, N, 0)
-        return ForwardOut(self.lm_head(last), feats, last, new_k, new_v)
+        at = last if logits_at is None else last[torch.arange(R), logits_at].unsqueeze(1)
+        return ForwardOut(self.lm_head(at), feats, last, new_k, new_v)
 
 
 class KVSlots:
@@ -306,7 +309,7 @@ class KVSlots:
 class TargetStep:
     """What one target step returns to the decoding loop."""
 
-    logits: torch.Tensor  # [R, N, V] (rows padded to the longest)
+    logits: torch.Tensor  # [R, N, V] (rows padded to the longest); [R, 1, V] with last_only
     features: torch.Tensor  # [R, N, F] tapped-layer features of the new tokens
     last_hidden: torch.Tensor | None = None  # [R, N, d] final normed hidden (LM-head input)
 
@@ -342,7 +345,7 @@ class TargetRunner:
         return int(self.cache.length[slot])
 
     @torch.no_grad()
-    def step(self, slots: list[int], tokens: list[list[int]]) -> TargetStep:
+    def step(self, slots: list[int], tokens: list[list[int]], last_only: bool = False) -> TargetStep:
         c = self.cache
         n = torch.tensor([len(t) for t in tokens])
         if (n == 0).any():
@@ -367,7 +370,9 @@ class TargetRunner:
         else:
             past_k = [k[slot_idx, :, :S] for k in c.k]
             past_v = [v[slot_idx, :, :S] for v in c.v]
-        out = self.model(ids, positions, past_len, past_k, past_v, valid)
+        out = self.model(
+            ids, positions, past_len, past_k, past_v, valid, logits_at=n - 1 if last_only else None
+        )
         rows, cols = valid.nonzero(as_tuple=True)
         dest_slot, dest_pos = slot_idx[rows], positions[rows, cols]
         for layer in range(self.cfg.num_layers):

@@ -105,7 +105,7 @@ class OrtTargetRunner:
     def length(self, slot: int) -> int:
         return int(self.cache.length[slot])
 
-    def step(self, slots: list[int], tokens: list[list[int]]) -> TargetStep:
+    def step(self, slots: list[int], tokens: list[list[int]], last_only: bool = False) -> TargetStep:
         c = self.cache
         n = np.array([len(t) for t in tokens], np.int64)
         if (n == 0).any():
@@ -133,7 +133,8 @@ class OrtTargetRunner:
         L = self.cfg.num_layers
         c.write(idx, past_len, out[3 : 3 + 2 * L : 2], out[4 : 4 + 2 * L : 2], n)
         c.length[idx] = past_len + n
-        return TargetStep(torch.from_numpy(out[0]), torch.from_numpy(out[1]), torch.from_numpy(out[2]))
+        logits = out[0][np.arange(R), n - 1][:, None] if last_only else out[0]
+        return TargetStep(torch.from_numpy(logits), torch.from_numpy(out[1]), torch.from_numpy(out[2]))
 
 
 def bucket_for(n: int, buckets: list[int], what: str) -> int:

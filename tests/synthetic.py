@@ -43,12 +43,15 @@ class BigramTarget:
     def length(self, slot: int) -> int:
         return self._len[slot]
 
-    def step(self, slots: list[int], tokens: list[list[int]]) -> TargetStep:
+    def step(self, slots: list[int], tokens: list[list[int]], last_only: bool = False) -> TargetStep:
         N = max(len(t) for t in tokens)
         ids = torch.zeros(len(slots), N, dtype=torch.long)
         for r, (s, t) in enumerate(zip(slots, tokens)):
             ids[r, : len(t)] = torch.tensor(t)
             self._len[s] += len(t)
+        if last_only:
+            ids_last = torch.tensor([[t[-1]] for t in tokens])
+            return TargetStep(self.logits[ids_last], torch.zeros(len(slots), N, 0))
         return TargetStep(self.logits[ids], torch.zeros(len(slots), N, 0))
 
 

@@ -98,3 +98,18 @@ def test_feature_taps_never_include_the_last_layer():
             head_dim=4,
             feature_layers=(2,),
         )
+
+
+def test_last_only_step_returns_each_rows_last_logits():
+    """A prefill needs only the last position's logits: same values, [R, 1, V]."""
+    model = tiny_target()
+    full, last = TargetRunner(model, 2, 32), TargetRunner(model, 2, 32)
+    toks = [[3, 4, 5, 6, 7], [9, 8]]
+    for r in (full, last):
+        r.allocate(), r.allocate()
+    a = full.step([0, 1], toks)
+    b = last.step([0, 1], toks, last_only=True)
+    assert b.logits.shape == (2, 1, TINY.vocab_size)
+    for r, t in enumerate(toks):
+        assert torch.allclose(b.logits[r, 0], a.logits[r, len(t) - 1], atol=1e-10)
+    assert torch.equal(a.features, b.features)
