@@ -332,6 +332,10 @@ class TargetRunner:
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
+    @property
+    def free_slots(self) -> int:
+        return self.cache.free_slots
+
     def allocate(self) -> int:
         return self.cache.allocate()
 

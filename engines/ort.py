@@ -89,6 +89,10 @@ class OrtTargetRunner:
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
+    @property
+    def free_slots(self) -> int:
+        return self.cache.free_slots
+
     def allocate(self) -> int:
         return self.cache.allocate()
 
@@ -239,6 +243,15 @@ class OrtDrafterRunner(Drafter):
             self.cache.release(slot)
 
     def propose(self, rids, anchors, params, gens) -> Proposal:
+        U, h = self.backbone(rids, anchors)
+        R = len(rids)
+        B = bucket_for(R, list(self.backbones), "batch of")
+        prev = torch.from_numpy(self.to_draft[np.asarray(anchors, np.int64)])
+        return sample_block(self._head(B, R), U, h, prev, self.draft_vocab, self.vocab_size, params, gens)
+
+    def backbone(self, rids, anchors) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parallel stage for a batch: base logits U [R, γ, Vd] and hidden h [R, γ, d];
+        the features committed since the last round join the context cache."""
         R, L = len(rids), self.cfg["num_layers"]
         B = bucket_for(R, list(self.backbones), "batch of")
         slots = [self._slot[r] for r in rids]
@@ -270,9 +283,12 @@ class OrtDrafterRunner(Drafter):
         for r, s in enumerate(slots):
             self.cache.length[s] = ctx_len[r] + new_count[r]
             self.pending[s] = self.pending[s][:0]
-        U, h = torch.from_numpy(out[0][:R]), torch.from_numpy(out[1][:R])
-        prev = torch.from_numpy(self.to_draft[np.asarray(anchors, np.int64)])
-        return sample_block(self._head(B, R), U, h, prev, self.draft_vocab, self.vocab_size, params, gens)
+        return torch.from_numpy(out[0][:R]), torch.from_numpy(out[1][:R])
+
+    def head_step(self, U_k, h_k, prev, state):
+        """One sequential step for R rows (padded to the bucket): (z_k, c_k, state)."""
+        R = len(U_k)
+        return self._head(bucket_for(R, list(self.backbones), "batch of"), R)(U_k, h_k, prev, state)
 
     def _head(self, B: int, R: int):
         if not self.heads:  # DFlash: no sequential head

@@ -136,8 +136,7 @@ class Engine:
         raise RuntimeError(f"engine still busy after {max_steps} steps")
 
     def _free(self) -> int:
-        free = getattr(self.target, "cache", None)
-        n = free.free_slots if free is not None else self.max_active
+        n = getattr(self.target, "free_slots", self.max_active)
         if self.drafter is not None and hasattr(self.drafter, "free_slots"):
             n = min(n, self.drafter.free_slots)
         return min(n, self.max_active - len(self.active))

@@ -1,0 +1,166 @@
+"""The model services and the orchestrator's remote clients, in-process (tiny engines)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark.reference import generate
+from dspark.sampling import SamplingParams
+from dspark.scheduler import SPSTable
+from dspark.target import TargetRunner
+from engines.ort import OrtDrafterRunner, OrtTargetRunner, session
+from orchestrator.bls import RemoteDrafter, RemoteTarget
+from orchestrator.engine import Engine
+from orchestrator.services import DrafterBackboneService, DrafterHeadService, RequestError, TargetService
+from tests.conftest import TINY
+from tests.unit.test_engine import Collect, _reqs
+from tests.unit.test_engines import _build, _target32
+
+SPS = SPSTable.from_step_times([1, 64], [1.0, 1.0 + 0.05 * 63])
+
+
+@pytest.fixture(scope="module", params=["markov", "rnn"])
+def built(request, tmp_path_factory):
+    target = _target32()
+    out = tmp_path_factory.mktemp(f"svc-{request.param}")
+    _build(out, request.param, target)
+    return target, out
+
+
+def _services(out, slots=3):
+    sess = session(out / "target.opt.onnx", 1)
+    tsvc = TargetService(
+        OrtTargetRunner(sess, TINY, slots, 96), lambda rows, length: OrtTargetRunner(sess, TINY, rows, length)
+    )
+    drafter = OrtDrafterRunner.load(out, num_slots=slots, threads=1)
+    svcs = {
+        "target": tsvc,
+        "drafter_backbone": DrafterBackboneService(drafter),
+        "drafter_head": DrafterHeadService(drafter),
+    }
+    calls = []
+
+    def call(model, inputs, outputs):
+        calls.append(model)
+        res = svcs[model].handle(inputs)
+        return {k: res[k] for k in outputs}
+
+    meta = json.loads((out / "drafter_meta.json").read_text())
+    return svcs, call, meta, calls
+
+
+@pytest.mark.parametrize("mode", ["static:3", "dspark"])
+def test_engine_over_remote_models_equals_the_target_alone(built, mode):
+    target, out = built
+    svcs, call, meta, calls = _services(out)
+    reqs = _reqs(5)
+    plain = [r.tokens for r in generate(TargetRunner(target, 5, 96), reqs)]
+    eng = Engine(RemoteTarget(call, TINY.vocab_size, 3, 96), RemoteDrafter(call, meta, 3), SPS, None, 3)
+    sinks = [Collect() for _ in reqs]
+    for r, s in zip(reqs, sinks):
+        eng.submit(r, mode, s)
+    eng.run_until_idle(500)
+    assert [s.out for s in sinks] == plain
+    assert svcs["target"].active == 0 and not svcs["drafter_backbone"].known  # all released
+    assert svcs["drafter_backbone"].drafter.free_slots == 3
+    assert calls.count("drafter_head") >= 7
+
+
+def test_sampled_tokens_over_remote_models_equal_the_in_process_engines(built):
+    target, out = built
+    reqs = _reqs(3, params=lambda i: SamplingParams(0.8, top_p=0.9, seed=7 + i))
+    _, call, meta, _ = _services(out)
+    eng = Engine(RemoteTarget(call, TINY.vocab_size, 3, 96), RemoteDrafter(call, meta, 3), SPS, None, 3)
+    sinks = [Collect() for _ in reqs]
+    for r, s in zip(reqs, sinks):
+        eng.submit(r, "static:4", s)
+    eng.run_until_idle(500)
+    direct = Engine(
+        OrtTargetRunner(session(out / "target.opt.onnx", 1), TINY, 3, 96),
+        OrtDrafterRunner.load(out, 3, 1),
+        SPS,
+    )
+    sinks2 = [Collect() for _ in reqs]
+    for r, s in zip(reqs, sinks2):
+        direct.submit(r, "static:4", s)
+    direct.run_until_idle(500)
+    assert [s.out for s in sinks] == [s.out for s in sinks2]
+
+
+def _step_inputs(ids, keep, rows, **extra):
+    return {
+        "seq_ids": np.array(ids, np.int64),
+        "keep_len": np.array(keep, np.int64),
+        "tokens": np.array([t for r in rows for t in r], np.int64),
+        "n_tokens": np.array([len(r) for r in rows], np.int64),
+        **extra,
+    }
+
+
+def test_target_service_rejects_bad_requests_without_leaking_slots(built):
+    _, out = built
+    svcs, _, _, _ = _services(out, slots=2)
+    t = svcs["target"]
+    cases = [
+        ({"keep_len": np.zeros(1, np.int64)}, "missing input 'seq_ids'"),
+        (_step_inputs([1], [0], [[TINY.vocab_size]]), r"token ids must be in \[0, 61\)"),
+        (_step_inputs([1], [0], [[-1]]), "token ids"),
+        ({**_step_inputs([1], [0], [[1]]), "tokens": np.array([1.0], np.float32)}, "must be int64"),
+        ({**_step_inputs([1], [0], [[1, 2]]), "n_tokens": np.array([3], np.int64)}, "counts sum to 3"),
+        (_step_inputs([1, 1], [0, 0], [[1], [2]]), "distinct"),
+        (_step_inputs([5], [4], [[1]]), "unknown"),
+        (_step_inputs([1, 2], [0, 0], [[1], []]), "at least one token"),
+        (_step_inputs([1], [0], [list(range(1, 61)) * 2]), "96"),  # longer than the KV slots
+    ]
+    for inputs, msg in cases:
+        with pytest.raises((RequestError, ValueError), match=msg):
+            t.handle(inputs)
+        assert t.active == 0 and t.runner.free_slots == 2
+    res = t.handle(_step_inputs([1, 2], [0, 0], [[1, 2, 3], [4]]))
+    assert res["logits"].shape == (2, 3, TINY.vocab_size) and res["features"].shape == (4, TINY.feature_size)
+    assert res["lengths"].tolist() == [3, 1]
+    with pytest.raises(RuntimeError, match="slots are in use"):
+        t.handle(_step_inputs([3], [0], [[1]]))
+    assert t.active == 2
+    res = t.handle(_step_inputs([1], [2], [[9]], last_only=np.array([True])))  # rollback + step
+    assert res["lengths"].tolist() == [3] and res["logits"].shape == (1, 1, TINY.vocab_size)
+    t.handle({"release_ids": np.array([1, 2, 77], np.int64)})
+    assert t.active == 0 and t.runner.free_slots == 2
+
+
+def test_probe_entry_leaves_sequences_alone(built):
+    _, out = built
+    svcs, _, _, _ = _services(out, slots=2)
+    t = svcs["target"]
+    t.handle(_step_inputs([1], [0], [[1, 2, 3]]))
+    a = t.handle({"probe_tokens": np.ones((2, 4), np.int64), "probe_context": np.array([20], np.int64)})
+    b = t.handle({"probe_tokens": np.ones((2, 4), np.int64), "probe_context": np.array([20], np.int64)})
+    assert a["probe_argmax"].shape == (2, 4) and np.array_equal(a["probe_argmax"], b["probe_argmax"])
+    assert t.active == 1 and t.runner.length(t.slot_of[1]) == 3
+    with pytest.raises(RequestError, match="probe_tokens"):
+        t.handle({"probe_tokens": np.full((1, 2), 99, np.int64), "probe_context": np.array([20], np.int64)})
+
+
+def test_backbone_service_rejects_bad_requests_and_releases(built):
+    _, out = built
+    svcs, _, meta, _ = _services(out, slots=2)
+    b = svcs["drafter_backbone"]
+    F = TINY.feature_size
+    good = {
+        "seq_ids": np.array([1], np.int64),
+        "anchor_ids": np.array([3], np.int64),
+        "features": np.zeros((5, F), np.float32),
+        "n_features": np.array([5], np.int64),
+    }
+    with pytest.raises(RequestError, match="anchor_ids must be in"):
+        b.handle({**good, "anchor_ids": np.array([999], np.int64)})
+    with pytest.raises(RequestError, match="counts sum to 4"):
+        b.handle({**good, "n_features": np.array([4], np.int64)})
+    with pytest.raises(ValueError, match="max_context"):
+        b.handle({**good, "features": np.zeros((80, F), np.float32), "n_features": np.array([80], np.int64)})
+    assert not b.known and b.drafter.free_slots == 2
+    res = b.handle(good)
+    assert res["base_logits"].shape == (1, meta["config"]["block_size"], len(meta["draft_vocab"]))
+    b.handle({"release_ids": np.array([1], np.int64)})
+    assert not b.known and b.drafter.free_slots == 2
