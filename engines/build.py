@@ -299,6 +299,7 @@ def build_target(b: Builder, model, source: str) -> dict:
         model = copy.deepcopy(model).float()
     model = model.eval()
     L = model.cfg.num_layers
+    (b.out / "target_meta.json").write_text(json.dumps({"config": model.cfg.to_dict()}, indent=2))
     graph = ex.TargetStepGraph(model)
     cases = [ex.example_inputs(model, rows=3, new=5, past=7), ex.example_inputs(model, rows=1, new=4, past=0)]
     return b.engine(

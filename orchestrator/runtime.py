@@ -1,0 +1,134 @@
+"""Build the services and the orchestrator from a Triton model's string parameters.
+
+Parameters (rendered into every config.pbtxt by orchestrator/repository.py):
+  code_root, engines_dir (a `make engines` build), target_dir (tokenizer + chat template),
+  num_slots, max_len, threads, runtime (onnxruntime | tensorrt), and for `dspark`:
+  max_active, max_new_tokens, default_mode, sps_path (a perf_analyzer SPS table; empty = measure
+  a quick one at startup through the target's probe entry).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark.target import TargetConfig
+
+log = logging.getLogger("dspark.orchestrator")
+
+
+def _target_cfg(params: dict) -> TargetConfig:
+    meta = json.loads((Path(params["engines_dir"]) / "target_meta.json").read_text())
+    return TargetConfig.from_dict(meta["config"])
+
+
+def _check_runtime(params: dict) -> None:
+    if params.get("runtime", "onnxruntime") != "onnxruntime":
+        raise RuntimeError(
+            f"runtime {params['runtime']!r} is not available in this build: the gpu profile's TensorRT "
+            "execution contexts are not wired up yet (see README, 'What has been run')"
+        )
+
+
+def make_service(params: dict):
+    from engines.ort import OrtDrafterRunner, OrtTargetRunner, session
+    from orchestrator.services import DrafterBackboneService, DrafterHeadService, TargetService
+
+    _check_runtime(params)
+    eng = Path(params["engines_dir"])
+    threads, slots, max_len = int(params["threads"]), int(params["num_slots"]), int(params["max_len"])
+    kind = params["service"]
+    if kind == "target":
+        cfg = _target_cfg(params)
+        sess = session(eng / "target.opt.onnx", threads)
+        return TargetService(
+            OrtTargetRunner(sess, cfg, slots, max_len),
+            lambda rows, length: OrtTargetRunner(sess, cfg, rows, length),
+        )
+    if kind == "drafter_backbone":
+        return DrafterBackboneService(OrtDrafterRunner.load(eng, num_slots=slots, threads=threads))
+    if kind == "drafter_head":
+        return DrafterHeadService(OrtDrafterRunner.load(eng, num_slots=1, threads=threads))
+    raise ValueError(f"unknown service {kind!r}")
+
+
+def measure_sps(call, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeats: int = 3):
+    """A quick SPS(B) table through the target's probe entry (one sequence × B tokens)."""
+    from dspark.scheduler import SPSTable
+
+    secs = []
+    for b in sizes:
+        toks = np.ones((1, b), np.int64)
+        inputs = {"probe_tokens": toks, "probe_context": np.array([context], np.int64)}
+        call("target", inputs, ["probe_argmax"])  # warm-up (and the probe context)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            call("target", inputs, ["probe_argmax"])
+            best = min(best, time.perf_counter() - t)
+        secs.append(best)
+    return SPSTable.from_step_times(list(sizes), secs, {"source": "quick startup probe", "context": context})
+
+
+def make_orchestrator(params: dict, call):
+    from dspark.calibration import STS
+    from dspark.scheduler import SPSTable
+    from orchestrator.bls import RemoteDrafter, RemoteTarget
+    from orchestrator.engine import Engine
+    from orchestrator.requests import Limits
+    from orchestrator.services import RequestError
+    from orchestrator.serving import Orchestrator
+    from orchestrator.text import ChatTokenizer
+
+    cfg = _target_cfg(params)
+    eng = Path(params["engines_dir"])
+    slots, max_len = int(params["num_slots"]), int(params["max_len"])
+    tok = ChatTokenizer(Path(params["target_dir"])) if params.get("target_dir") else None
+
+    def chat_ids(text: str) -> list[int]:
+        if tok is None:
+            raise RequestError("this server has no tokenizer (target_dir is empty): send input_ids")
+        return tok.chat_ids(text)
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids) if tok is not None else ""
+
+    drafter, sts = None, None
+    meta_path = eng / "drafter_meta.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        drafter = RemoteDrafter(call, meta, slots)
+        sts = STS.from_dict(meta["sts"]) if meta.get("sts") else None
+        max_len = min(max_len, int(meta["max_context"]))
+    sps_path = params.get("sps_path", "")
+    sps = (
+        SPSTable.from_dict(json.loads(Path(sps_path).read_text()))
+        if sps_path and Path(sps_path).exists()
+        else None
+    )
+    target = RemoteTarget(call, cfg.vocab_size, slots, max_len)
+    engine = Engine(target, drafter, sps, sts, int(params.get("max_active", slots)))
+    limits = Limits(
+        vocab_size=cfg.vocab_size,
+        max_context=max_len,
+        max_new_tokens=int(params.get("max_new_tokens", 1024)),
+        stop_ids=frozenset(cfg.eos_token_ids),
+        default_mode=params.get("default_mode", "dspark") if drafter is not None else "off",
+    )
+    orch = Orchestrator(engine, limits, chat_ids, decode, sps)
+    if sps is None:
+        orch.on_start = lambda: _quick_sps(orch, call)
+    return orch
+
+
+def _quick_sps(orch, call) -> None:
+    sps = measure_sps(call)
+    orch.sps = orch.engine.sps = sps
+    log.warning(
+        "no SPS table given (sps_path): measured a quick one through the target probe: %s",
+        ", ".join(f"B={b}: {v:.1f}/s" for b, v in zip(sps.batch_tokens, sps.steps_per_second)),
+    )

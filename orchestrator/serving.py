@@ -1,0 +1,187 @@
+"""The `dspark` model's engine loop: submissions from Triton's execute(), one background thread
+that runs the in-flight Engine, and streaming of committed tokens to each request's sender.
+
+A `Sender` is what model.py adapts from Triton's response sender:
+    send(outputs: dict[str, np.ndarray], final: bool), error(message), is_cancelled() -> bool
+Every request gets exactly one final response: its last tokens with `stats`, or an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from dspark.reference import Result
+from dspark.scheduler import SPSTable
+from orchestrator.engine import Engine
+from orchestrator.requests import Limits, parse
+from orchestrator.services import RequestError
+
+log = logging.getLogger("dspark.orchestrator")
+FLAT_SPS = SPSTable.from_step_times([1, 2], [1.0, 1.0])  # validates a mode spec's syntax only
+
+
+class Detokenizer:
+    """Incremental text: decode everything so far, emit the new suffix (held back while the
+    tail is an incomplete UTF-8 sequence)."""
+
+    def __init__(self, decode) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        full = self.decode(self.ids)
+        if full.endswith("\ufffd"):
+            return ""
+        new, self.text = full[len(self.text) :], full
+        return new
+
+
+class StreamSink:
+    """Engine sink → one request's sender (token chunks, then a final response)."""
+
+    def __init__(self, sender, decode, stop: list[str], mode: str, on_stop=None) -> None:
+        self.sender = sender
+        self.detok = Detokenizer(decode)
+        self.stop = stop
+        self.mode = mode
+        self.on_stop = on_stop  # called when a stop string ends the request early
+        self.closed = False
+        self.stopped_by_string = False
+
+    def tokens(self, tokens: list[int]) -> None:
+        if self.closed:
+            return
+        text = self.detok.push(tokens)
+        if self.stop:
+            hit = min((i for s in self.stop if (i := self.detok.text.find(s)) >= 0), default=-1)
+            if hit >= 0:
+                cut = len(self.detok.text) - len(text)
+                text = self.detok.text[cut:hit] if hit > cut else ""
+                self.stopped_by_string = True
+                self._send(text, tokens, final=False)
+                if self.on_stop is not None:
+                    self.on_stop()
+                return
+        self._send(text, tokens, final=False)
+
+    def _send(self, text: str, tokens: list[int], final: bool, stats: dict | None = None) -> None:
+        out = {
+            "text_output": np.array([text.encode()], dtype=np.object_),
+            "token_ids": np.asarray(tokens, np.int64),
+        }
+        if stats is not None:
+            out["stats"] = np.array([json.dumps(stats).encode()], dtype=np.object_)
+        self.sender.send(out, final)
+
+    def done(self, result: Result) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        stats = {**result.stats.to_json_dict(), "finish_reason": result.finish_reason, "mode": self.mode}
+        stats["seconds"] = result.seconds
+        stats["new_tokens"] = len(result.tokens)
+        self._send("", [], final=True, stats=stats)
+
+    def error(self, message: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.stopped_by_string and message == "cancelled":
+            stats = {"finish_reason": "stop_string", "mode": self.mode, "new_tokens": len(self.detok.ids)}
+            self._send("", [], final=True, stats=stats)
+        else:
+            self.sender.error(message)
+
+
+class Orchestrator:
+    """Owns the Engine and its thread. `submit` is called from Triton's execute()."""
+
+    def __init__(self, engine: Engine, limits: Limits, chat_ids, decode, sps=None) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.chat_ids = chat_ids
+        self.decode = decode
+        self.sps = sps
+        self._inbox: deque = deque()
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+        self._senders: dict[int, object] = {}
+        self.rounds = 0
+        self.on_start = None  # run first on the engine thread (e.g. measure SPS through BLS)
+
+    def start(self) -> Orchestrator:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        self._thread.join(timeout)
+
+    def submit(self, inputs: dict, sender) -> None:
+        """Validate now (errors go straight back), decode later on the engine thread."""
+        try:
+            req, mode, stop = parse(inputs, self.limits, self.chat_ids, FLAT_SPS)
+            if mode != "off" and self.engine.drafter is None:
+                raise RequestError(f"mode {mode!r} needs a drafter and this server has none: use mode 'off'")
+        except (RequestError, ValueError) as e:
+            sender.error(str(e))
+            return
+        with self._wake:
+            self._inbox.append((req, mode, stop, sender))
+            self._wake.notify_all()
+
+    def _loop(self) -> None:
+        started = False
+        while True:
+            with self._wake:
+                while not self._stop and not self._inbox and self.engine.idle:
+                    self._wake.wait(0.5)
+                if self._stop:
+                    break
+                pending = list(self._inbox)
+                self._inbox.clear()
+            if not started and self.on_start is not None:
+                # first request: the server is fully up, so BLS calls work (not during load)
+                started = True
+                try:
+                    self.on_start()
+                except Exception:
+                    log.exception("orchestrator startup step failed")
+            for req, mode, stop, sender in pending:
+                holder: dict = {}
+                sink = StreamSink(
+                    sender, self.decode, stop, mode, on_stop=lambda h=holder: self.engine.cancel(h["rid"])
+                )
+                try:
+                    rid = self.engine.submit(req, mode, sink)
+                except ValueError as e:
+                    sender.error(str(e))
+                    continue
+                holder["rid"] = rid
+                self._senders[rid] = sender
+            for rid, sender in list(self._senders.items()):
+                if sender.is_cancelled():
+                    self.engine.cancel(rid)
+            try:
+                self.engine.step()
+                self.rounds += 1
+            except Exception:  # the engine isolates request failures; this is a last resort
+                log.exception("engine step failed")
+                time.sleep(0.1)
+            live = {e.live.rid for e in self.engine.active} | {e.live.rid for e in self.engine.queue}
+            for rid in [r for r in self._senders if r not in live]:
+                del self._senders[rid]
+        for e in list(self.engine.queue) + list(self.engine.active):
+            e.cancelled = True
+        self.engine.step()  # releases everything, tells the senders
