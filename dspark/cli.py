@@ -168,6 +168,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.url:
+        from orchestrator.cli import generate_remote
+
+        return generate_remote(args)
     import torch
 
     from dspark.models import load_target
@@ -440,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engines", default=None, help="run on the ONNX Runtime engines of this build folder")
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
+    g.add_argument("--url", default=None, help="HOST:PORT of a running server (gRPC); else in-process")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (--url)")
     g.set_defaults(fn=cmd_generate)
 
     dd = sub.add_parser("data", help="the target regenerates answers to the training prompts (resumable)")
@@ -506,8 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(fn=cmd_report)
 
     from engines.cli import add_parser as add_engines
+    from orchestrator.cli import add_parsers as add_serving
 
     add_engines(sub)
+    add_serving(sub)
     return p
 
 

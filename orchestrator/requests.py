@@ -13,6 +13,7 @@ from dspark.sampling import SamplingParams
 from dspark.scheduler import parse_policy
 from orchestrator.services import RequestError
 
+DEFAULT_MAX_TOKENS = 128  # when a request does not say (capped by the room left in the context)
 INPUTS = ("text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "mode", "stop")
 
 
@@ -82,7 +83,12 @@ def parse(inputs: dict, limits: Limits, chat_ids, sps=None) -> tuple[Request, st
             raise RequestError(f"input_ids must be in [0, {limits.vocab_size}): got {bad[0]}")
     else:
         raise RequestError("missing input: give text_input (a prompt) or input_ids (token ids)")
-    max_tokens = _scalar(inputs, "max_tokens", int, 128)
+    room = limits.max_context - len(ids)
+    if room < 1:
+        raise RequestError(
+            f"prompt ({len(ids)} tokens) leaves no room in the context limit of {limits.max_context} tokens"
+        )
+    max_tokens = _scalar(inputs, "max_tokens", int, min(DEFAULT_MAX_TOKENS, limits.max_new_tokens, room))
     if not 1 <= max_tokens <= limits.max_new_tokens:
         raise RequestError(f"max_tokens must be in [1, {limits.max_new_tokens}], got {max_tokens}")
     if len(ids) + max_tokens > limits.max_context:
