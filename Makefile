@@ -52,8 +52,8 @@ engines: setup
 	$(PY) -m dspark.cli engines --drafter dspark --out build/engines --buckets $(BUCKETS) --max-context $(MAX_CONTEXT)
 
 lint: setup
-	$(PY) -m ruff check dspark export engines orchestrator perf tests
-	$(PY) -m ruff format --check dspark export engines orchestrator perf tests
+	$(PY) -m ruff check dspark export engines orchestrator model_repository perf tests
+	$(PY) -m ruff format --check dspark export engines orchestrator model_repository perf tests
 
 clean:
 	rm -rf build artifacts .pytest_cache

@@ -42,5 +42,7 @@ class TritonPythonModel:
                 err = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
                 responses.append(pb_utils.InferenceResponse(error=err))
             except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(e).__name__}: {e}")))
+                responses.append(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(e).__name__}: {e}"))
+                )
         return responses

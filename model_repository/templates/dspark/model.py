@@ -23,7 +23,9 @@ class _Sender:
 
     def error(self, message):
         err = pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)
-        self.sender.send(pb_utils.InferenceResponse(error=err), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.sender.send(
+            pb_utils.InferenceResponse(error=err), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        )
 
     def is_cancelled(self):
         return self.sender.is_cancelled()
@@ -31,7 +33,9 @@ class _Sender:
 
 def _bls(model, inputs, outputs):
     tensors = [pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()]
-    request = pb_utils.InferenceRequest(model_name=model, requested_output_names=list(outputs), inputs=tensors)
+    request = pb_utils.InferenceRequest(
+        model_name=model, requested_output_names=list(outputs), inputs=tensors
+    )
     response = request.exec()
     if response.has_error():
         raise RuntimeError(f"{model}: {response.error().message()}")
