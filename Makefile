@@ -34,12 +34,14 @@ train: setup
 	  $(PY) -m dspark.cli train --kind $$k --steps $(TRAIN_STEPS) || exit 1; done
 
 EVAL_SETS  := gsm8k-test humaneval mt-bench
-EVAL_LIMIT ?= 24
-EVAL_TOKENS ?= 192
+EVAL_LIMIT ?= 16
+EVAL_TOKENS ?= 128
+# Loops set → temperature → drafter, so an interrupted run still compares the three drafters.
 eval: setup
-	for d in dspark dflash eagle3; do for s in $(EVAL_SETS); do for t in 0 1; do \
+	for s in $(EVAL_SETS); do for t in 0 1; do for d in dspark dflash eagle3; do \
 	  $(PY) -m dspark.cli eval --drafter $$d --data ../shared/data/eval/$$s.jsonl --limit $(EVAL_LIMIT) \
 	    --max-new-tokens $(EVAL_TOKENS) --batch 8 --temperature $$t --json artifacts/eval/$$d-$$s-T$$t.json \
+	    $$( [ -f build/engines/target.opt.onnx ] && echo --engines build/engines ) \
 	    || exit 1; \
 	done; done; done
 	$(PY) -m dspark.cli report

@@ -350,8 +350,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
         batch=args.batch,
     )
     prompts = read_first_turns(Path(args.data), cfg.limit, cfg.seed)
+    factory = None
+    if args.engines and (Path(args.engines) / "target.opt.onnx").exists():
+        from engines.ort import OrtTargetRunner, session
+
+        sess = session(Path(args.engines) / "target.opt.onnx", args.threads)
+        factory = lambda slots, max_len: OrtTargetRunner(sess, loaded.model.cfg, slots, max_len)  # noqa: E731
+        print(f"[eval] target: ONNX Runtime engine {args.engines}/target.opt.onnx")
     with torch.no_grad():
-        out, arrays = evaluate(loaded, runner_for(model, cfg.batch, 4096), prompts, cfg, sts)
+        out, arrays = evaluate(
+            loaded, runner_for(model, cfg.batch, 4096), prompts, cfg, sts, target_factory=factory
+        )
+    out["target_runtime"] = "onnxruntime" if factory else "pytorch"
     out.update(drafter=args.drafter, data=str(args.data), kind=model.cfg.kind)
     if args.json:
         import numpy as np
@@ -503,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch", type=int, default=4)
     e.add_argument("--threads", type=int, default=2)
     e.add_argument("--json", default=None, help="write the full result JSON here")
+    e.add_argument("--engines", default=None, help="verify with the ORT target engine of this build (faster)")
     e.set_defaults(fn=cmd_eval)
 
     rp = sub.add_parser("report", help="τ / ECE tables and plots from eval JSON files")

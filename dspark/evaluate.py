@@ -66,14 +66,19 @@ def evaluate(
     cfg: EvalConfig,
     sts: STS | None = None,
     progress: bool = True,
+    target_factory=None,
 ) -> tuple[dict, dict]:
-    """Returns the result JSON and the per-round arrays (confidence logits, accepted, proposed)."""
+    """Returns the result JSON and the per-round arrays (confidence logits, accepted, proposed).
+
+    target_factory(num_slots, max_len) may supply another Target (the ORT engine: `--engines`)."""
     from tqdm import tqdm
 
     gamma = drafter.block_size
-    runner = TargetRunner(
-        loaded.model, num_slots=cfg.batch, max_len=cfg.max_prompt_tokens + cfg.max_new_tokens + gamma + 2
-    )
+    max_len = cfg.max_prompt_tokens + cfg.max_new_tokens + gamma + 2
+    if target_factory is not None:
+        runner = target_factory(cfg.batch, max_len)
+    else:
+        runner = TargetRunner(loaded.model, num_slots=cfg.batch, max_len=max_len)
     stats, traces, new_tokens, skipped = AcceptanceStats(), [], 0, 0
     reqs = []
     for i, text in enumerate(prompts):

@@ -117,18 +117,27 @@ def io_spec(path: Path) -> dict:
 
 
 def compare(sess, feed: dict, expected: list[np.ndarray], names: list[str], what: str) -> float:
-    """ORT outputs vs PyTorch: max |Δ| ≤ TOL and identical argmax of logits; returns max |Δ|."""
+    """ORT outputs vs PyTorch; returns the max |Δ| of the logits outputs.
+
+    Logits: max |Δ| ≤ TOL and identical argmax (the issue's gate). Other outputs (tapped
+    features, hidden states, keys/values) carry the model's large activations (SmolLM2's
+    intermediate features reach ~10^3), so they are held to TOL relative to their scale."""
     got = sess.run(None, feed)
     worst = 0.0
     for name, g, e in zip(names, got, expected):
         if g.shape != e.shape:
             raise AssertionError(f"{what}: output {name} has shape {g.shape}, PyTorch {e.shape}")
-        d = float(np.abs(g - e).max()) if g.size else 0.0
-        worst = max(worst, d)
-        if d > TOL:
-            raise AssertionError(f"{what}: output {name} differs from PyTorch by {d:.2e} > {TOL}")
-        if "logits" in name and g.size and not np.array_equal(g.argmax(-1), e.argmax(-1)):
-            raise AssertionError(f"{what}: argmax of {name} differs from PyTorch")
+        if not g.size:
+            continue
+        d = float(np.abs(g - e).max())
+        logits = "logits" in name
+        limit = TOL if logits else TOL * max(1.0, float(np.abs(e).max()))
+        if d > limit:
+            raise AssertionError(f"{what}: output {name} differs from PyTorch by {d:.2e} > {limit:.1e}")
+        if logits:
+            worst = max(worst, d)
+            if not np.array_equal(g.argmax(-1), e.argmax(-1)):
+                raise AssertionError(f"{what}: argmax of {name} differs from PyTorch")
     return worst
 
 
@@ -253,15 +262,15 @@ class Builder:
                 worst = max(
                     worst, compare(sess, feed, _torch_outputs(module, ex), names[1], f"{file} (case {i})")
                 )
-            feed = {n: _np(x) for n, x in zip(names[0], examples[0])}
-            polygraphy_check(
-                path, feed, _torch_outputs(module, examples[0]), names[1], self.out / "reference"
-            )
-            entry["verified"] = {
-                "cases": len(examples),
-                "max_abs_diff_vs_pytorch": worst,
-                "polygraphy": "PASSED",
-            }
+            entry["verified"] = {"cases": len(examples), "max_abs_diff_vs_pytorch": worst}
+            if poly:
+                feed = {n: _np(x) for n, x in zip(names[0], examples[0])}
+                polygraphy_check(
+                    path, feed, _torch_outputs(module, examples[0]), names[1], self.out / "reference"
+                )
+                entry["verified"]["polygraphy"] = "PASSED"
+            else:
+                entry["verified"]["polygraphy"] = "run on the smallest bucket of this role"
         entry["build_seconds"] = round(time.time() - t0, 2)
         entry["built_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.log(
@@ -339,7 +348,7 @@ def build_drafter(b: Builder, model, source: str, extra_meta: dict) -> Path:
         first = B == min(cfg.buckets)
         f = f"drafter_backbone.b{B}.onnx"
         files["drafter_backbone"][B] = f
-        cases = [ex.backbone_example(m, B, cfg.max_context, M, seed=s) for s in (1, 2)]
+        cases = [ex.backbone_example(m, B, S, M, seed=s) for s, S in ((1, cfg.max_context), (2, 37))]
         b.engine(
             "drafter_backbone",
             f,
@@ -348,7 +357,12 @@ def build_drafter(b: Builder, model, source: str, extra_meta: dict) -> Path:
             cases,
             names["drafter_backbone"],
             source,
-            {"batch": B, "block": m.cfg.block_size, "new_positions": M, "max_context": cfg.max_context},
+            {
+                "batch": B,
+                "block": m.cfg.block_size,
+                "new_positions": M,
+                "context": f"dynamic, padded to {ex.context_buckets(cfg.max_context)}",
+            },
             poly=first,
         )
         if m.cfg.head != "none":
@@ -374,6 +388,7 @@ def build_drafter(b: Builder, model, source: str, extra_meta: dict) -> Path:
         "max_context": cfg.max_context,
         "new_positions": M,
         "buckets": cfg.buckets,
+        "context_buckets": ex.context_buckets(cfg.max_context),
         "files": {
             k: (
                 {str(bb): ff.replace(".onnx", ".opt.onnx") for bb, ff in v.items()}
@@ -400,7 +415,7 @@ def build_int8_target(b: Builder) -> dict | None:
 
     This is a *different target*: its greedy output is not the fp32 target's, so speculative
     decoding on it is lossless only with respect to itself. It is built only on request
-    (`--int8`) and never served by default; perf/int8_target.py measures its speed and its
+    (`--int8`) and never served by default; `python -m perf.int8_target` measures its speed and its
     greedy agreement with the fp32 target."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 

@@ -32,6 +32,9 @@ def session(path: Path, threads: int = 2, optimized: Path | None = None):
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    # ORT's pool threads spin after every run by default; on 2 cores that steals the CPU from the
+    # Python/torch work between engine calls (sampling, the next call's inputs): 3x slower rounds.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if optimized is not None:
         so.optimized_model_filepath = str(optimized)
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
@@ -174,6 +177,7 @@ class OrtDrafterRunner(Drafter):
         self.backbones: dict[int, object] = engines["drafter_backbone"]
         self.heads: dict[int, object] = engines.get("drafter_head", {})
         self.max_context = meta["max_context"]
+        self.context_buckets = meta.get("context_buckets", [self.max_context])
         self.M = meta["new_positions"]
         self.cache = _Slots(
             cfg["num_layers"],
@@ -271,13 +275,11 @@ class OrtDrafterRunner(Drafter):
             "new_features": new_feats,
             "new_count": new_count,
         }
-        pad = B - R
+        S = bucket_for(max(int(ctx_len.max()), 1), self.context_buckets, "drafter context of")
+        idx = np.asarray(slots + [slots[0]] * (B - R))  # pad rows reuse a real slot; ctx_len 0 masks it
         for i in range(L):
-            for name, store in (("ctx_key", self.cache.k[i]), ("ctx_value", self.cache.v[i])):
-                x = store[slots]
-                if pad:
-                    x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), np.float32)])
-                feed[f"{name}.{i}"] = x
+            feed[f"ctx_key.{i}"] = self.cache.k[i][idx, :, :S]
+            feed[f"ctx_value.{i}"] = self.cache.v[i][idx, :, :S]
         out = self.backbones[B].run(None, feed)
         self.cache.write(slots, ctx_len[:R], out[2::2], out[3::2], new_count[:R])
         for r, s in enumerate(slots):

@@ -8,9 +8,11 @@ drafter_context (dynamic R, T) — a prompt's features into the cache:
   features float32 [R, T, F], positions int64 [R, T]
   → ctx_key.{i}, ctx_value.{i} float32 [R, KV, T, D]
 
-drafter_backbone (static: batch bucket B, max_context S, new positions M = γ + 1, block γ):
+drafter_backbone (static batch bucket B, new positions M = γ + 1, block γ; the cached context
+S is padded by the runner to a context bucket — 256, 512, … max_context — so the graph has S
+as its one dynamic axis and a TensorRT build gets one optimization profile per context bucket):
   anchor_ids int64 [B]           the last committed token of each sequence
-  ctx_len    int64 [B]           cached context positions (the first ctx_len of S are valid)
+  ctx_len    int64 [B]           cached context positions (the first ctx_len of S are valid, S ≤ max_context)
   new_features float32 [B, M, F] features of the tokens committed last round (≤ M of them)
   new_count  int64 [B]           how many of the M rows are real
   ctx_key.{i}, ctx_value.{i} float32 [B, KV, S, D]
@@ -135,8 +137,18 @@ def export_backbone(
 ) -> Path:
     m = _f32(model)
     ins, outs = graph_names(m)["drafter_backbone"]
-    ex = backbone_example(m, batch, max_context, new_positions)
-    return _export(BackboneGraph(m, new_positions), ex, path, ins, outs, None)
+    ex = backbone_example(m, batch, min(max_context, 64), new_positions)
+    axes = {n: {2: "S"} for n in ins if n.startswith(("ctx_key", "ctx_value"))}  # padded to a bucket
+    return _export(BackboneGraph(m, new_positions), ex, path, ins, outs, axes)
+
+
+def context_buckets(max_context: int, smallest: int = 256) -> list[int]:
+    """Cached-context lengths the runner pads to: 256, 512, … up to max_context."""
+    out, s = [], smallest
+    while s < max_context:
+        out.append(s)
+        s *= 2
+    return out + [max_context]
 
 
 def head_example(model: BlockDrafter, batch: int, seed: int = 0):

@@ -1,6 +1,6 @@
 """Draft-vocabulary size: coverage of held-out answer tokens vs the cost of the draft LM head.
 
-    .venv/bin/python perf/draft_vocab_coverage.py [--answers artifacts/data/answers.jsonl]
+    .venv/bin/python -m perf.draft_vocab_coverage [--answers artifacts/data/answers.jsonl]
 
 Coverage: the frequency-ranked subset built from the training answers (as `dspark train`
 does), measured on the held-out answers (5 % by key hash) — the tokens a drafter could ever

@@ -1,6 +1,6 @@
 """ONNX Runtime engines vs PyTorch eager, step by step (issue 4's benchmark; not a test).
 
-    .venv/bin/python perf/engine_bench.py [--engines build/engines] [--context 256] [--repeat 15]
+    .venv/bin/python -m perf.engine_bench [--engines build/engines] [--context 256] [--repeat 15]
 
 Both sides run through the same runner interface the decoding loop uses (KV slots, cache
 writes included), on one sequence with a `--context`-token cache:

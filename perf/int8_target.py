@@ -1,7 +1,7 @@
 """The optional int8 target engine: speed and greedy agreement with the fp32 target.
 
     .venv/bin/python -m dspark.cli engines --int8      # builds build/engines/target.int8.onnx
-    .venv/bin/python perf/int8_target.py [--prompts 6] [--tokens 64]
+    .venv/bin/python -m perf.int8_target [--prompts 6] [--tokens 64]
 
 Speed: one sequence, 256 cached tokens, verify steps of 1 and 8 tokens (median of 15 after 3
 warm-ups), fp32 and int8 engines interleaved in one run. Agreement: greedy target-only
