@@ -14,7 +14,18 @@ from dspark.scheduler import parse_policy
 from orchestrator.services import RequestError
 
 DEFAULT_MAX_TOKENS = 128  # when a request does not say (capped by the room left in the context)
-INPUTS = ("text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "mode", "stop")
+INPUTS = (
+    "text_input",
+    "input_ids",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "mode",
+    "stop",
+    "stream",
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,16 @@ def _strings(inputs: dict, name: str) -> list[str]:
         if s:
             out.append(s)
     return out
+
+
+def wants_stream(inputs: dict) -> bool:
+    """`stream` (BOOL, default true): false = one response with the whole answer (HTTP generate)."""
+    if "stream" not in inputs:
+        return True
+    x = np.asarray(inputs["stream"]).reshape(-1)
+    if x.size != 1 or x.dtype != np.bool_:
+        raise RequestError("stream must be a single BOOL")
+    return bool(x[0])
 
 
 def parse(inputs: dict, limits: Limits, chat_ids, sps=None) -> tuple[Request, str, list[str]]:

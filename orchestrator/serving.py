@@ -19,7 +19,7 @@ import numpy as np
 from dspark.reference import Result
 from dspark.scheduler import SPSTable
 from orchestrator.engine import Engine
-from orchestrator.requests import Limits, parse
+from orchestrator.requests import Limits, parse, wants_stream
 from orchestrator.services import RequestError
 
 log = logging.getLogger("dspark.orchestrator")
@@ -47,32 +47,49 @@ class Detokenizer:
 class StreamSink:
     """Engine sink → one request's sender (token chunks, then a final response)."""
 
-    def __init__(self, sender, decode, stop: list[str], mode: str, on_stop=None) -> None:
+    def __init__(self, sender, decode, stop: list[str], mode: str, on_stop=None, stream: bool = True) -> None:
         self.sender = sender
+        self.stream = stream
+        self.held_text: list[str] = []
+        self.held_ids: list[int] = []
         self.detok = Detokenizer(decode)
         self.stop = stop
         self.mode = mode
         self.on_stop = on_stop  # called when a stop string ends the request early
         self.closed = False
         self.stopped_by_string = False
+        self.sent = 0  # characters of text already sent
 
     def tokens(self, tokens: list[int]) -> None:
+        """New committed tokens. With stop strings, text that could still be the start of one is
+        held back; the text stops right before the first stop string (its tokens are still
+        reported in token_ids)."""
         if self.closed:
             return
-        text = self.detok.push(tokens)
+        self.detok.push(tokens)
+        full = self.detok.text
         if self.stop:
-            hit = min((i for s in self.stop if (i := self.detok.text.find(s)) >= 0), default=-1)
+            hit = min((i for s in self.stop if (i := full.find(s)) >= 0), default=-1)
             if hit >= 0:
-                cut = len(self.detok.text) - len(text)
-                text = self.detok.text[cut:hit] if hit > cut else ""
                 self.stopped_by_string = True
-                self._send(text, tokens, final=False)
+                self._send(full[self.sent : max(hit, self.sent)], tokens, final=False)
+                self.sent = max(hit, self.sent)
                 if self.on_stop is not None:
                     self.on_stop()
                 return
-        self._send(text, tokens, final=False)
+            safe = max(self.sent, len(full) - (max(len(s) for s in self.stop) - 1))
+        else:
+            safe = len(full)
+        self._send(full[self.sent : safe], tokens, final=False)
+        self.sent = safe
 
     def _send(self, text: str, tokens: list[int], final: bool, stats: dict | None = None) -> None:
+        if not self.stream:  # one response with everything, at the end
+            self.held_text.append(text)
+            self.held_ids += list(tokens)
+            if not final:
+                return
+            text, tokens = "".join(self.held_text), self.held_ids
         out = {
             "text_output": np.array([text.encode()], dtype=np.object_),
             "token_ids": np.asarray(tokens, np.int64),
@@ -88,7 +105,7 @@ class StreamSink:
         stats = {**result.stats.to_json_dict(), "finish_reason": result.finish_reason, "mode": self.mode}
         stats["seconds"] = result.seconds
         stats["new_tokens"] = len(result.tokens)
-        self._send("", [], final=True, stats=stats)
+        self._send(self.detok.text[self.sent :], [], final=True, stats=stats)
 
     def error(self, message: str) -> None:
         if self.closed:
@@ -132,13 +149,14 @@ class Orchestrator:
         """Validate now (errors go straight back), decode later on the engine thread."""
         try:
             req, mode, stop = parse(inputs, self.limits, self.chat_ids, FLAT_SPS)
+            stream = wants_stream(inputs)
             if mode != "off" and self.engine.drafter is None:
                 raise RequestError(f"mode {mode!r} needs a drafter and this server has none: use mode 'off'")
         except (RequestError, ValueError) as e:
             sender.error(str(e))
             return
         with self._wake:
-            self._inbox.append((req, mode, stop, sender))
+            self._inbox.append((req, mode, stop, stream, sender))
             self._wake.notify_all()
 
     def _loop(self) -> None:
@@ -158,10 +176,10 @@ class Orchestrator:
                     self.on_start()
                 except Exception:
                     log.exception("orchestrator startup step failed")
-            for req, mode, stop, sender in pending:
+            for req, mode, stop, stream, sender in pending:
                 holder: dict = {}
                 sink = StreamSink(
-                    sender, self.decode, stop, mode, on_stop=lambda h=holder: self.engine.cancel(h["rid"])
+                    sender, self.decode, stop, mode, lambda h=holder: self.engine.cancel(h["rid"]), stream
                 )
                 try:
                     rid = self.engine.submit(req, mode, sink)
