@@ -34,8 +34,8 @@ train: setup
 	  $(PY) -m dspark.cli train --kind $$k --steps $(TRAIN_STEPS) || exit 1; done
 
 EVAL_SETS  := gsm8k-test humaneval mt-bench
-EVAL_LIMIT ?= 16
-EVAL_TOKENS ?= 128
+EVAL_LIMIT ?= 12
+EVAL_TOKENS ?= 96
 # Loops set → temperature → drafter, so an interrupted run still compares the three drafters.
 eval: setup
 	for s in $(EVAL_SETS); do for t in 0 1; do for d in dspark dflash eagle3; do \
