@@ -9,8 +9,10 @@ export OMP_NUM_THREADS ?= 2
 setup:
 	@bash scripts/setup.sh
 
+# The demo builds the engines on first use (~2 min), then compares target-only and DSpark decoding.
 demo: setup
-	$(PY) -m dspark.cli demo
+	@[ -f build/engines/manifest.json ] || $(PY) -m dspark.cli engines --drafter dspark --out build/engines
+	$(PY) -m dspark.cli demo --engines build/engines
 
 test: setup
 	$(PYTEST) -q tests
