@@ -264,19 +264,14 @@ class LlamaTarget(nn.Module):
         return ForwardOut(self.lm_head(at), feats, last, new_k, new_v)
 
 
-class KVSlots:
-    """Preallocated per-sequence KV cache slots with explicit allocate / rollback / release.
+class SlotPool:
+    """Per-sequence slots with explicit allocate / rollback / release over a `length` array
+    (torch or numpy): the bookkeeping every cache (target KV, drafter context) shares."""
 
-    k[layer] and v[layer] are [slots, KV, max_len, D]; `length[slot]` counts the valid
-    positions. Rolling back is moving the length pointer; nothing is copied.
-    """
-
-    def __init__(self, cfg: TargetConfig, num_slots: int, max_len: int, dtype: torch.dtype) -> None:
-        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.length = torch.zeros(num_slots, dtype=torch.long)
+    def __init__(self, num_slots: int, max_len: int, length, what: str) -> None:
+        self.length = length
         self.max_len = max_len
+        self.what = what
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -286,7 +281,7 @@ class KVSlots:
     def allocate(self) -> int:
         if not self._free:
             raise RuntimeError(
-                f"all {len(self.length)} KV slots are in use: release finished sequences or "
+                f"all {len(self.length)} {self.what} slots are in use: release finished sequences or "
                 "raise the number of slots"
             )
         slot = self._free.pop()
@@ -295,7 +290,7 @@ class KVSlots:
 
     def release(self, slot: int) -> None:
         if slot in self._free:
-            raise ValueError(f"KV slot {slot} released twice")
+            raise ValueError(f"{self.what} slot {slot} released twice")
         self.length[slot] = 0
         self._free.append(slot)
 
@@ -305,28 +300,25 @@ class KVSlots:
         self.length[slot] = length
 
 
-@dataclass
-class TargetStep:
-    """What one target step returns to the decoding loop."""
+class KVSlots(SlotPool):
+    """Preallocated per-sequence KV cache slots (torch).
 
-    logits: torch.Tensor  # [R, N, V] (rows padded to the longest); [R, 1, V] with last_only
-    features: torch.Tensor  # [R, N, F] tapped-layer features of the new tokens
-    last_hidden: torch.Tensor | None = None  # [R, N, d] final normed hidden (LM-head input)
-
-
-class TargetRunner:
-    """Runs a LlamaTarget over ragged batches of sequences that own KV slots.
-
-    `step(slots, tokens)` appends tokens[r] to the sequence in slots[r] and returns logits for
-    every new position: prefill (the whole prompt) and verification ([x_0, x_1..x_ℓ]) are the
-    same call. `rollback` discards rejected positions.
+    k[layer] and v[layer] are [slots, KV, max_len, D]; `length[slot]` counts the valid
+    positions. Rolling back is moving the length pointer; nothing is copied.
     """
 
-    def __init__(self, model: LlamaTarget, num_slots: int = 16, max_len: int = 2048) -> None:
-        self.model = model.eval()
-        self.cfg = model.cfg
-        dtype = next(model.parameters()).dtype
-        self.cache = KVSlots(model.cfg, num_slots, max_len, dtype)
+    def __init__(self, cfg: TargetConfig, num_slots: int, max_len: int, dtype: torch.dtype) -> None:
+        super().__init__(num_slots, max_len, torch.zeros(num_slots, dtype=torch.long), "KV")
+        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+
+
+class SlotRunner:
+    """What a target runner with `cfg` and a `cache` (SlotPool) exposes besides `step`."""
+
+    cfg: TargetConfig
+    cache: SlotPool
 
     @property
     def vocab_size(self) -> int:
@@ -347,6 +339,30 @@ class TargetRunner:
 
     def length(self, slot: int) -> int:
         return int(self.cache.length[slot])
+
+
+@dataclass
+class TargetStep:
+    """What one target step returns to the decoding loop."""
+
+    logits: torch.Tensor  # [R, N, V] (rows padded to the longest); [R, 1, V] with last_only
+    features: torch.Tensor  # [R, N, F] tapped-layer features of the new tokens
+    last_hidden: torch.Tensor | None = None  # [R, N, d] final normed hidden (LM-head input)
+
+
+class TargetRunner(SlotRunner):
+    """Runs a LlamaTarget over ragged batches of sequences that own KV slots.
+
+    `step(slots, tokens)` appends tokens[r] to the sequence in slots[r] and returns logits for
+    every new position: prefill (the whole prompt) and verification ([x_0, x_1..x_ℓ]) are the
+    same call. `rollback` discards rejected positions.
+    """
+
+    def __init__(self, model: LlamaTarget, num_slots: int = 16, max_len: int = 2048) -> None:
+        self.model = model.eval()
+        self.cfg = model.cfg
+        dtype = next(model.parameters()).dtype
+        self.cache = KVSlots(model.cfg, num_slots, max_len, dtype)
 
     @torch.no_grad()
     def step(self, slots: list[int], tokens: list[list[int]], last_only: bool = False) -> TargetStep:

@@ -17,7 +17,7 @@ import torch
 
 from dspark.block_drafter import sample_block
 from dspark.drafter import Drafter, Proposal
-from dspark.target import TargetStep
+from dspark.target import SlotPool, SlotRunner, TargetStep
 
 
 class ShapeError(ValueError):
@@ -40,36 +40,14 @@ def session(path: Path, threads: int = 2, optimized: Path | None = None):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-class _Slots:
-    """Preallocated per-sequence K/V slots: per layer [slots, KV, max_len, D] float32."""
+class _Slots(SlotPool):
+    """Preallocated per-sequence K/V slots: per layer [slots, KV, max_len, D] float32 (numpy)."""
 
     def __init__(self, layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int, what: str):
+        super().__init__(num_slots, max_len, np.zeros(num_slots, np.int64), what)
         shape = (num_slots, kv_heads, max_len, head_dim)
         self.k = [np.zeros(shape, np.float32) for _ in range(layers)]
         self.v = [np.zeros(shape, np.float32) for _ in range(layers)]
-        self.length = np.zeros(num_slots, np.int64)
-        self.max_len = max_len
-        self.what = what
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError(
-                f"all {len(self.length)} {self.what} slots are in use: release finished sequences"
-            )
-        slot = self._free.pop()
-        self.length[slot] = 0
-        return slot
-
-    def release(self, slot: int) -> None:
-        if slot in self._free:
-            raise ValueError(f"{self.what} slot {slot} released twice")
-        self.length[slot] = 0
-        self._free.append(slot)
 
     def write(self, slots, start, new_k, new_v, count) -> None:
         """Row r's first count[r] new positions go to slot slots[r] from position start[r]."""
@@ -80,37 +58,13 @@ class _Slots:
                     self.v[layer][slot, :, s0 : s0 + n] = new_v[layer][r, :, :n]
 
 
-class OrtTargetRunner:
+class OrtTargetRunner(SlotRunner):
     """The target step engine with its KV cache in slots (same contract as TargetRunner)."""
 
     def __init__(self, sess, cfg, num_slots: int = 16, max_len: int = 2048) -> None:
         self.sess = sess
         self.cfg = cfg
         self.cache = _Slots(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, "target KV")
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def free_slots(self) -> int:
-        return self.cache.free_slots
-
-    def allocate(self) -> int:
-        return self.cache.allocate()
-
-    def release(self, slot: int) -> None:
-        self.cache.release(slot)
-
-    def rollback(self, slot: int, length: int) -> None:
-        if not 0 <= length <= int(self.cache.length[slot]):
-            raise ValueError(
-                f"cannot roll slot {slot} back to {length}: it holds {int(self.cache.length[slot])}"
-            )
-        self.cache.length[slot] = length
-
-    def length(self, slot: int) -> int:
-        return int(self.cache.length[slot])
 
     def step(self, slots: list[int], tokens: list[list[int]], last_only: bool = False) -> TargetStep:
         c = self.cache

@@ -6,3 +6,25 @@ takes minutes, and ONNX Runtime matches PyTorch to ~1e-5 on both (shared/referen
 """
 
 OPSET = 17
+
+
+def export_graph(module, example, path, input_names, output_names, dynamic_axes):
+    """torch.onnx.export with our settings (legacy exporter, OPSET, no grad); returns the path."""
+    from pathlib import Path
+
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        torch.onnx.export(
+            module,
+            example,
+            str(path),
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_axes=dynamic_axes,
+            opset_version=OPSET,
+            dynamo=False,
+        )
+    return path

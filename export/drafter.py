@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from dspark.block_drafter import BlockDrafter
-from export import OPSET
+from export import export_graph
 
 
 def _kv_names(prefix_k: str, prefix_v: str, layers: int) -> list[str]:
@@ -176,17 +176,4 @@ def export_head(model: BlockDrafter, path: Path, batch: int) -> Path:
 
 
 def _export(module, example, path, ins, outs, axes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        torch.onnx.export(
-            module,
-            example,
-            str(path),
-            input_names=ins,
-            output_names=outs,
-            dynamic_axes=axes,
-            opset_version=OPSET,
-            dynamo=False,
-        )
-    return path
+    return export_graph(module, example, path, ins, outs, axes)

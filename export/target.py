@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dspark.target import LlamaTarget
-from export import OPSET
+from export import export_graph
 
 
 def input_names(num_layers: int) -> list[str]:
@@ -87,17 +87,4 @@ def export_target(model: LlamaTarget, path: Path) -> Path:
     axes.update({"logits": {0: "R", 1: "N"}, "features": {0: "R", 1: "N"}, "last_hidden": {0: "R", 1: "N"}})
     for n in outs[3:]:
         axes[n] = {0: "R", 2: "N"}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        torch.onnx.export(
-            TargetStepGraph(model),
-            example_inputs(model),
-            str(path),
-            input_names=ins,
-            output_names=outs,
-            dynamic_axes=axes,
-            opset_version=OPSET,
-            dynamo=False,
-        )
-    return path
+    return export_graph(TargetStepGraph(model), example_inputs(model), path, ins, outs, axes)
