@@ -109,6 +109,16 @@ def bucket_for(n: int, buckets: list[int], what: str) -> int:
     )
 
 
+def draft_vocabulary(meta: dict) -> tuple[int, torch.Tensor, np.ndarray]:
+    """(target vocabulary size, draft vocabulary as target ids, target id → draft index with
+    len(draft vocabulary) for ids outside it) from a build's drafter_meta.json."""
+    vocab_size = meta["target_vocab_size"]
+    draft_vocab = torch.as_tensor(np.asarray(meta["draft_vocab"], np.int64))
+    to_draft = np.full(vocab_size, len(draft_vocab), np.int64)
+    to_draft[draft_vocab.numpy()] = np.arange(len(draft_vocab))
+    return vocab_size, draft_vocab, to_draft
+
+
 class OrtDrafterRunner(Drafter):
     """The DSpark drafter on its three engines (context, backbone, head), Drafter interface.
 
@@ -122,11 +132,7 @@ class OrtDrafterRunner(Drafter):
         cfg = meta["config"]
         self.cfg = cfg
         self.block_size = cfg["block_size"]
-        self.vocab_size = meta["target_vocab_size"]
-        self.draft_vocab = torch.as_tensor(np.asarray(meta["draft_vocab"], np.int64))
-        to_draft = np.full(self.vocab_size, len(self.draft_vocab), np.int64)
-        to_draft[self.draft_vocab.numpy()] = np.arange(len(self.draft_vocab))
-        self.to_draft = to_draft
+        self.vocab_size, self.draft_vocab, self.to_draft = draft_vocabulary(meta)
         self.context = engines["drafter_context"]
         self.backbones: dict[int, object] = engines["drafter_backbone"]
         self.heads: dict[int, object] = engines.get("drafter_head", {})

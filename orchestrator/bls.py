@@ -17,6 +17,7 @@ import torch
 from dspark.block_drafter import sample_block
 from dspark.drafter import Drafter, Proposal
 from dspark.target import TargetStep
+from engines.ort import draft_vocabulary
 
 Call = Callable[[str, dict, list], dict]
 
@@ -98,11 +99,7 @@ class RemoteDrafter(Drafter):
         self.call = call
         cfg = meta["config"]
         self.block_size = cfg["block_size"]
-        self.vocab_size = meta["target_vocab_size"]
-        self.draft_vocab = torch.as_tensor(np.asarray(meta["draft_vocab"], np.int64))
-        to_draft = np.full(self.vocab_size, len(self.draft_vocab), np.int64)
-        to_draft[self.draft_vocab.numpy()] = np.arange(len(self.draft_vocab))
-        self.to_draft = to_draft
+        self.vocab_size, self.draft_vocab, self.to_draft = draft_vocabulary(meta)
         self.has_head = cfg["head"] != "none"
         self.rnn = cfg["head"] == "rnn"
         self.rank = cfg["markov_rank"]
