@@ -431,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding, compiled and served")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", help="one prompt per eval domain: target-only vs DSpark, same tokens, speed-up")
+    d = sub.add_parser("demo", help="one prompt per eval domain: target-only vs DSpark, same run")
     d.add_argument("--target", default="smollm2-135m-instruct")
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--threads", type=int, default=2)
