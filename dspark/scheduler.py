@@ -519,3 +519,9 @@ def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
             raise bad("x must be a float in [0, 1]")
         return Threshold(x)
     raise bad("unknown policy")
+
+
+def check_policy_spec(spec: str) -> None:
+    """Raise ValueError if `spec` is not a valid policy spec (syntax only: a flat SPS table
+    stands in for the measured one, which may not exist yet)."""
+    parse_policy(spec, SPSTable.from_step_times([1, 2], [1.0, 1.0]))

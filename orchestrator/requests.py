@@ -10,7 +10,7 @@ import numpy as np
 
 from dspark.reference import Request
 from dspark.sampling import SamplingParams
-from dspark.scheduler import parse_policy
+from dspark.scheduler import check_policy_spec
 from orchestrator.services import RequestError
 
 DEFAULT_MAX_TOKENS = 128  # when a request does not say (capped by the room left in the context)
@@ -83,7 +83,7 @@ def wants_stream(inputs: dict) -> bool:
     return bool(x[0])
 
 
-def parse(inputs: dict, limits: Limits, chat_ids, sps=None) -> tuple[Request, str, list[str]]:
+def parse(inputs: dict, limits: Limits, chat_ids) -> tuple[Request, str, list[str]]:
     """(Request, mode, stop strings). `chat_ids(text)` applies the chat template."""
     text = _scalar(inputs, "text_input", str, None)
     if text is not None and "input_ids" in inputs:
@@ -129,7 +129,7 @@ def parse(inputs: dict, limits: Limits, chat_ids, sps=None) -> tuple[Request, st
     seed = _scalar(inputs, "seed", int, None)
     mode = _scalar(inputs, "mode", str, limits.default_mode).strip()
     try:
-        parse_policy(mode, sps)
+        check_policy_spec(mode)
     except ValueError as e:
         raise RequestError(f"mode: {e}") from None
     try:
