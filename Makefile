@@ -3,6 +3,7 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 export OMP_NUM_THREADS ?= 2
+SHARED  ?= $(or $(DSPARK_SHARED),../shared)
 
 .PHONY: setup demo test test-fast test-slow lint clean data train eval engines
 
@@ -38,15 +39,20 @@ train: setup
 EVAL_SETS  := gsm8k-test humaneval mt-bench
 EVAL_LIMIT ?= 12
 EVAL_TOKENS ?= 96
+EVAL_OUT ?= docs/acceptance/evals
+# EVAL_SKIP_DONE=1 keeps cells whose JSON already exists (resuming an interrupted run).
+EVAL_SKIP_DONE ?=
 # Loops set → temperature → drafter, so an interrupted run still compares the three drafters.
 eval: setup
 	for s in $(EVAL_SETS); do for t in 0 1; do for d in dspark dflash eagle3; do \
-	  $(PY) -m dspark.cli eval --drafter $$d --data ../shared/data/eval/$$s.jsonl --limit $(EVAL_LIMIT) \
-	    --max-new-tokens $(EVAL_TOKENS) --batch 8 --temperature $$t --json artifacts/eval/$$d-$$s-T$$t.json \
+	  out=$(EVAL_OUT)/$$d-$$s-T$$t.json; \
+	  if [ -n "$(EVAL_SKIP_DONE)" ] && [ -f $$out ]; then continue; fi; \
+	  $(PY) -m dspark.cli eval --drafter $$d --data $(SHARED)/data/eval/$$s.jsonl --limit $(EVAL_LIMIT) \
+	    --max-new-tokens $(EVAL_TOKENS) --batch 8 --temperature $$t --json $$out \
 	    $$( [ -f build/engines/target.opt.onnx ] && echo --engines build/engines ) \
 	    || exit 1; \
 	done; done; done
-	$(PY) -m dspark.cli report
+	$(PY) -m dspark.cli report --evals $(EVAL_OUT)
 
 # Engines (issue 4): ONNX graphs + ORT-optimized engines + manifest.json in build/engines
 # (incremental; TensorRT plans only where tensorrt and a GPU exist).

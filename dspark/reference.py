@@ -80,6 +80,7 @@ class Result:
     stats: AcceptanceStats
     seconds: float = 0.0
     trace: list[RoundTrace] = field(default_factory=list)
+    fallback: str | None = None  # serving only: why a speculative request went target-only
 
 
 @dataclass

@@ -27,6 +27,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--sps", default="perf/results/sps.json", help="SPS(B) table (else a quick startup probe)")
     s.add_argument("--default-mode", default="dspark")
+    s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 'busy' errors")
     s.add_argument("--render-only", action="store_true", help="render + validate the repository, then exit")
     s.set_defaults(fn=serve)
 
@@ -51,6 +52,7 @@ def serve(args: argparse.Namespace) -> int:
             threads=args.threads,
             max_new_tokens=args.max_new_tokens,
             default_mode=args.default_mode,
+            max_queue=args.max_queue,
             sps_path=str(Path(args.sps).resolve()) if Path(args.sps).exists() else "",
         )
         validate(Path(args.repository), require_files=args.profile == "cpu")

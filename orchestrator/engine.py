@@ -13,19 +13,26 @@ Because every request draws its random numbers from its own generator in a fixed
 request's tokens do not depend on which others share its rounds (for static modes exactly; for
 dspark the verification lengths depend on the batch, the output distribution does not).
 
+Graceful degradation: the drafter is wrapped so that any failure of it (a model unloaded, a
+crashed call) switches the requests it served to target-only rounds, which is lossless: greedy
+output stays token for token the same, sampled output keeps the target's distribution. A failure
+is visible in `metrics` (fallback_events_total, drafter_available) and the log; new requests try
+the drafter again `drafter_retry_s` seconds later.
+
 Sinks receive `tokens(list[int])` as tokens commit, then exactly one of `done(result)` or
 `error(message)`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dspark.calibration import STS
-from dspark.drafter import Drafter
+from dspark.calibration import STS, cumulative_survival, sigmoid
+from dspark.drafter import Drafter, Proposal
 from dspark.reference import (
     Request,
     Result,
@@ -38,6 +45,63 @@ from dspark.reference import (
 )
 from dspark.sampling import make_generator
 from dspark.scheduler import SPSTable, parse_policy
+from orchestrator.metrics import ServingMetrics
+
+log = logging.getLogger("dspark.orchestrator")
+
+
+class Busy(RuntimeError):
+    """The queue is full: the client should retry later."""
+
+
+class DrafterFailure(RuntimeError):
+    """The drafter could not propose; the round's requests continue target-only."""
+
+
+class _GuardedDrafter(Drafter):
+    """Wraps the drafter so its failures never fail a request: `propose` raises DrafterFailure
+    before any state has changed; `begin`/`advance` failures mark the request as lost to the
+    drafter (the engine moves it to target-only after the round); `end` never raises."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.block_size = inner.block_size
+        self.lost: dict[int, str] = {}
+
+    @property
+    def free_slots(self) -> int:
+        return getattr(self.inner, "free_slots", 1 << 30)
+
+    @property
+    def has_head(self) -> bool:
+        return getattr(self.inner, "has_head", True)
+
+    def begin(self, rid, token_ids, features) -> None:
+        try:
+            self.inner.begin(rid, token_ids, features)
+        except Exception as exc:  # noqa: BLE001
+            self.lost[rid] = f"begin: {exc}"
+
+    def advance(self, rid, token_ids, features) -> None:
+        if rid in self.lost:
+            return
+        try:
+            self.inner.advance(rid, token_ids, features)
+        except Exception as exc:  # noqa: BLE001
+            self.lost[rid] = f"advance: {exc}"
+
+    def end(self, rid) -> None:
+        self.lost.pop(rid, None)
+        try:
+            self.inner.end(rid)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("drafter release of request %d failed (%s); continuing", rid, exc)
+
+    def propose(self, rids, anchors, params, gens) -> Proposal:
+        try:
+            return self.inner.propose(rids, anchors, params, gens)
+        except Exception as exc:  # noqa: BLE001
+            raise DrafterFailure(str(exc)) from exc
 
 
 class Sink(Protocol):
@@ -54,6 +118,9 @@ class _Entry:
     sent: int = 0
     t_submit: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    drafting: bool = False  # holds drafter state and runs speculative rounds
+    fallback: str | None = None  # why a speculative request continues target-only
+    traced: int = 0  # rounds of live.trace already reported to the metrics
 
 
 class Engine:
@@ -66,12 +133,19 @@ class Engine:
         sps: SPSTable | None = None,
         calibration: STS | None = None,
         max_active: int = 16,
+        max_queue: int = 64,
+        metrics: ServingMetrics | None = None,
+        drafter_retry_s: float = 10.0,
     ) -> None:
         self.target = target
-        self.drafter = drafter
+        self.drafter = _GuardedDrafter(drafter) if drafter is not None else None
         self.sps = sps
         self.calibration = calibration
         self.max_active = max_active
+        self.max_queue = max_queue
+        self.metrics = metrics or ServingMetrics(drafter.block_size if drafter is not None else 7)
+        self.drafter_retry_s = drafter_retry_s
+        self.drafter_down_until = 0.0  # monotonic time before which new requests do not draft
         self.queue: deque[_Entry] = deque()
         self.active: list[_Entry] = []
         self._policies: dict[str, object] = {}
@@ -89,6 +163,12 @@ class Engine:
 
     def submit(self, req: Request, mode: str, sink: Sink) -> int:
         self.policy(mode)  # validate before queueing
+        if len(self.queue) >= self.max_queue + max(self._free(), 0):  # free slots admit at the next step
+            self.metrics.inc("requests_total", outcome="busy")
+            raise Busy(
+                f"server busy: {len(self.active)} sequences decoding and {len(self.queue)} queued "
+                f"(max_queue {self.max_queue}); retry later"
+            )
         rid = self._next
         self._next += 1
         live = _Live(rid, req, -1, make_generator(req.params.seed))
@@ -116,17 +196,65 @@ class Engine:
         groups: dict[str, list[_Entry]] = {}
         for e in self.active:
             if e.live.finish is None:
-                groups.setdefault(e.mode, []).append(e)
+                groups.setdefault(e.mode if e.drafting else "off", []).append(e)
+        plain = groups.pop("off", [])
+        budget = 0
         for mode, entries in groups.items():
             lives = [e.live for e in entries]
             try:
-                if mode == "off":
-                    _target_round(self.target, lives)
-                else:
-                    _speculative_round(self.target, self.drafter, self.policy(mode), self.calibration, lives)
+                _speculative_round(self.target, self.drafter, self.policy(mode), self.calibration, lives)
+            except DrafterFailure as exc:  # nothing changed yet: these requests go on target-only
+                self._fall_back(entries, f"drafter failed: {exc}")
+                plain += entries
+                continue
             except Exception as exc:  # a failed round fails its requests, not the server
                 self._fail(entries, f"decoding round failed: {exc}")
+                continue
+            budget += self._report_rounds(entries)
+            lost = [e for e in entries if e.live.rid in self.drafter.lost and e.live.finish is None]
+            if lost:
+                self._fall_back(lost, f"drafter failed: {self.drafter.lost[lost[0].live.rid]}")
+        if plain:
+            try:
+                _target_round(self.target, [e.live for e in plain])
+                self.metrics.target_rounds(len(plain))
+            except Exception as exc:
+                self._fail(plain, f"decoding round failed: {exc}")
+        if groups:
+            self.metrics.round_budget(budget)
         self._deliver()
+        self.metrics.occupancy(len(self.active), len(self.queue), self._free_slots())
+
+    def _report_rounds(self, entries: list[_Entry]) -> int:
+        """Per-round acceptance and calibration metrics; returns the round's Σℓ."""
+        budget = 0
+        for e in entries:
+            for t in e.live.trace[e.traced :]:
+                surv = None
+                if self.drafter.has_head:
+                    c = self.calibration.apply(t.conf_logits) if self.calibration else sigmoid(t.conf_logits)
+                    surv = cumulative_survival(c)
+                self.metrics.speculative_round(t.proposed, t.accepted, surv)
+                budget += t.proposed
+            e.traced = len(e.live.trace)
+        return budget
+
+    def _fall_back(self, entries: list[_Entry], reason: str) -> None:
+        """Drop these requests' drafter state; they continue with target-only rounds."""
+        if time.monotonic() >= self.drafter_down_until:
+            log.warning(
+                "%s; %d request(s) continue target-only (lossless), new requests retry the drafter in %.0f s",
+                reason,
+                len(entries),
+                self.drafter_retry_s,
+            )
+        self.drafter_down_until = time.monotonic() + self.drafter_retry_s
+        self.metrics.set_gauge("drafter_available", 0.0)
+        for e in entries:
+            self.metrics.inc("fallback_events_total", reason=reason.split(":")[0].replace(" ", "_"))
+            e.drafting = False
+            e.fallback = reason
+            self.drafter.end(e.live.rid)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
@@ -135,11 +263,23 @@ class Engine:
             self.step()
         raise RuntimeError(f"engine still busy after {max_steps} steps")
 
+    def _free_slots(self) -> int:
+        return getattr(self.target, "free_slots", self.max_active - len(self.active))
+
     def _free(self) -> int:
         n = getattr(self.target, "free_slots", self.max_active)
-        if self.drafter is not None and hasattr(self.drafter, "free_slots"):
+        if self.drafter is not None:
             n = min(n, self.drafter.free_slots)
         return min(n, self.max_active - len(self.active))
+
+    def _drafter_up(self) -> bool:
+        if self.drafter is None:
+            return False
+        up = time.monotonic() >= self.drafter_down_until
+        if up and self.metrics.gauge("drafter_available") == 0.0:
+            log.warning("retrying the drafter for new requests")
+            self.metrics.set_gauge("drafter_available", 1.0)
+        return up
 
     def _admit(self) -> None:
         new: dict[bool, list[_Entry]] = {True: [], False: []}
@@ -153,7 +293,11 @@ class Engine:
                     self._fail([e], f"cannot allocate a target slot: {exc}")
                 break
             self.active.append(e)
-            new[e.mode != "off"].append(e)
+            e.drafting = e.mode != "off" and self._drafter_up()
+            if e.mode != "off" and not e.drafting:
+                e.fallback = "drafter unavailable at admission"
+                self.metrics.inc("fallback_events_total", reason="drafter_unavailable")
+            new[e.drafting].append(e)
         for spec, entries in new.items():
             if not entries:
                 continue
@@ -161,28 +305,36 @@ class Engine:
                 _prefill(self.target, [e.live for e in entries], self.drafter if spec else None)
             except Exception as exc:
                 self._fail(entries, f"prefill failed: {exc}")
+                continue
+            lost = [e for e in entries if spec and e.live.rid in self.drafter.lost]
+            if lost:
+                self._fall_back(lost, f"drafter failed: {self.drafter.lost[lost[0].live.rid]}")
 
     def _deliver(self) -> None:
         keep = []
         for e in self.active:
             s = e.live
             if len(s.out) > e.sent:
+                self.metrics.inc("generated_tokens_total", len(s.out) - e.sent)
                 e.sink.tokens(s.out[e.sent :])
                 e.sent = len(s.out)
             if s.finish is not None:
                 self._release(e)
-                e.sink.done(Result(s.out, s.finish, s.stats, time.perf_counter() - e.t_submit, s.trace))
+                self.metrics.inc("requests_total", outcome="finished")
+                seconds = time.perf_counter() - e.t_submit
+                e.sink.done(Result(s.out, s.finish, s.stats, seconds, s.trace, e.fallback))
             else:
                 keep.append(e)
         self.active = keep
 
     def _release(self, e: _Entry) -> None:
         if e.live.slot >= 0:
-            spec = e.mode != "off" and self.drafter is not None
             try:
-                _release(self.target, self.drafter if spec else None, e.live)
-            except Exception:
+                _release(self.target, self.drafter if e.drafting else None, e.live)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("releasing request %d failed: %s", e.live.rid, exc)
                 e.live.slot = -1
+            e.drafting = False
 
     def _fail(self, entries: list[_Entry], message: str) -> None:
         for e in entries:
@@ -190,13 +342,16 @@ class Engine:
             if e in self.active:
                 self.active.remove(e)
             e.live.finish = "error"
+            self.metrics.inc("requests_total", outcome="error")
             e.sink.error(message)
 
     def _drop_cancelled(self) -> None:
         for e in [e for e in self.queue if e.cancelled]:
             self.queue.remove(e)
+            self.metrics.inc("requests_total", outcome="cancelled")
             e.sink.error("cancelled")
         for e in [e for e in self.active if e.cancelled]:
             self._release(e)
             self.active.remove(e)
+            self.metrics.inc("requests_total", outcome="cancelled")
             e.sink.error("cancelled")

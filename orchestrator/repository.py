@@ -51,6 +51,8 @@ def render(
     max_new_tokens: int = 1024,
     default_mode: str = "dspark",
     sps_path: str = "",
+    max_queue: int = 64,
+    drafter_retry_s: float = 10.0,
 ) -> list[str]:
     """Write the repository; returns the model names (load them all)."""
     if profile not in PROFILES:
@@ -68,6 +70,8 @@ def render(
         "max_new_tokens": str(max_new_tokens),
         "default_mode": default_mode,
         "sps_path": str(sps_path),
+        "max_queue": str(max_queue),
+        "drafter_retry_s": str(drafter_retry_s),
     }
     models = ["target", "dspark"]
     meta_path = engines_dir / "drafter_meta.json"

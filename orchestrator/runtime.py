@@ -3,8 +3,10 @@
 Parameters (rendered into every config.pbtxt by orchestrator/repository.py):
   code_root, engines_dir (a `make engines` build), target_dir (tokenizer + chat template),
   num_slots, max_len, threads, runtime (onnxruntime | tensorrt), and for `dspark`:
-  max_active, max_new_tokens, default_mode, sps_path (a perf_analyzer SPS table; empty = measure
-  a quick one at startup through the target's probe entry).
+  max_active, max_queue (requests waiting for a slot before new ones get a "busy" error),
+  max_new_tokens, default_mode, drafter_retry_s (seconds before new requests try a failed
+  drafter again), sps_path (a `dspark sps` table; empty or missing = measure a quick one at
+  startup through the target's probe entry, said in the log and in metric dspark_sps_table).
 """
 
 from __future__ import annotations
@@ -74,11 +76,12 @@ def measure_sps(call, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeat
     return SPSTable.from_step_times(list(sizes), secs, {"source": "quick startup probe", "context": context})
 
 
-def make_orchestrator(params: dict, call):
+def make_orchestrator(params: dict, call, metrics_backend=None):
     from dspark.calibration import STS
     from dspark.scheduler import SPSTable
     from orchestrator.bls import RemoteDrafter, RemoteTarget
     from orchestrator.engine import Engine
+    from orchestrator.metrics import ServingMetrics
     from orchestrator.requests import Limits
     from orchestrator.services import RequestError
     from orchestrator.serving import Orchestrator
@@ -111,7 +114,21 @@ def make_orchestrator(params: dict, call):
         else None
     )
     target = RemoteTarget(call, cfg.vocab_size, slots, max_len)
-    engine = Engine(target, drafter, sps, sts, int(params.get("max_active", slots)))
+    gamma = drafter.block_size if drafter is not None else 7
+    metrics = ServingMetrics(gamma, metrics_backend, {"model": "dspark"})
+    metrics.set_gauge("sps_table", 1.0, source="file" if sps is not None else "none")
+    engine = Engine(
+        target,
+        drafter,
+        sps,
+        sts,
+        int(params.get("max_active", slots)),
+        max_queue=int(params.get("max_queue", 64)),
+        metrics=metrics,
+        drafter_retry_s=float(params.get("drafter_retry_s", 10)),
+    )
+    if sps_path and sps is None:
+        log.warning("SPS table %s does not exist: measuring a quick one at the first request", sps_path)
     limits = Limits(
         vocab_size=cfg.vocab_size,
         max_context=max_len,
@@ -128,6 +145,9 @@ def make_orchestrator(params: dict, call):
 def _quick_sps(orch, call) -> None:
     sps = measure_sps(call)
     orch.sps = orch.engine.sps = sps
+    orch.engine._policies.clear()  # policies built before this read no table
+    orch.engine.metrics.set_gauge("sps_table", 0.0, source="none")
+    orch.engine.metrics.set_gauge("sps_table", 1.0, source="quick_probe")
     log.warning(
         "no SPS table given (sps_path): measured a quick one through the target probe: %s",
         ", ".join(f"B={b}: {v:.1f}/s" for b, v in zip(sps.batch_tokens, sps.steps_per_second)),

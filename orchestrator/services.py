@@ -143,6 +143,10 @@ class DrafterBackboneService:
         self.drafter = drafter  # engines.ort.OrtDrafterRunner (or anything with its methods)
         self.known: set[int] = set()
 
+    @property
+    def active(self) -> int:
+        return len(self.known)
+
     def release(self, ids) -> None:
         for sid in ids:
             if int(sid) in self.known:

@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 
 from dspark.reference import Result
-from orchestrator.engine import Engine
+from orchestrator.engine import Busy, Engine
 from orchestrator.requests import Limits, parse, wants_stream
 from orchestrator.services import RequestError
 
@@ -103,6 +103,7 @@ class StreamSink:
         stats = {**result.stats.to_json_dict(), "finish_reason": result.finish_reason, "mode": self.mode}
         stats["seconds"] = result.seconds
         stats["new_tokens"] = len(result.tokens)
+        stats["fallback"] = result.fallback
         self._send(self.detok.text[self.sent :], [], final=True, stats=stats)
 
     def error(self, message: str) -> None:
@@ -151,6 +152,7 @@ class Orchestrator:
             if mode != "off" and self.engine.drafter is None:
                 raise RequestError(f"mode {mode!r} needs a drafter and this server has none: use mode 'off'")
         except (RequestError, ValueError) as e:
+            self.engine.metrics.inc("requests_total", outcome="rejected")
             sender.error(str(e))
             return
         with self._wake:
@@ -181,7 +183,9 @@ class Orchestrator:
                 )
                 try:
                     rid = self.engine.submit(req, mode, sink)
-                except ValueError as e:
+                except (ValueError, Busy) as e:
+                    if isinstance(e, ValueError):
+                        self.engine.metrics.inc("requests_total", outcome="rejected")
                     sender.error(str(e))
                     continue
                 holder["rid"] = rid

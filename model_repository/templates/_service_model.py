@@ -22,6 +22,16 @@ class TritonPythonModel:
         self.inputs = [i["name"] for i in config["input"]]
         self.outputs = [o["name"] for o in config["output"]]
         self.service = make_service(params)
+        self.slots_metric = None
+        if hasattr(self.service, "active"):  # stateful: publish the sequences it holds
+            # one family per model: two stub processes must not register the same family name
+            self.slots_family = pb_utils.MetricFamily(
+                name=f"dspark_{args['model_name']}_sequences",
+                description=f"Sequences whose cache the {args['model_name']} model holds",
+                kind=pb_utils.MetricFamily.GAUGE,
+            )
+            self.slots_metric = self.slots_family.Metric(labels={})
+            self.slots_metric.set(0)
 
     def execute(self, requests):
         from orchestrator.services import RequestError
@@ -45,4 +55,6 @@ class TritonPythonModel:
                 responses.append(
                     pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(e).__name__}: {e}"))
                 )
+        if self.slots_metric is not None:
+            self.slots_metric.set(self.service.active)
         return responses

@@ -7,6 +7,8 @@ import json
 import queue
 import re
 import threading
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import torch
 
 from dspark.reference import Request, generate
 from dspark.target import TargetRunner
+from orchestrator.metrics import parse_prometheus
 from orchestrator.repository import RenderError, render, validate
 from orchestrator.server import Server, free_port
 from tests.conftest import TINY
@@ -80,14 +83,17 @@ def _stream(url, requests, timeout=120.0):
                 t.set_data_from_numpy(arr)
                 tensors.append(t)
             client.async_stream_infer("dspark", tensors, request_id=rid, enable_empty_final_response=True)
-        open_ids = set(results)
-        while open_ids:
+        # an error response carries no request id in tritonclient: count them, and give them
+        # afterwards to the ids that got no final response
+        open_count, anonymous = len(results), []
+        while open_count:
             kind, rid, payload = done.get(timeout=timeout)
             if kind == "error":
-                if rid is None:  # tritonclient puts the message only; match by text later
-                    rid = next(iter(sorted(open_ids)))
-                results[rid]["error"] = payload
-                open_ids.discard(rid)
+                if rid is None:
+                    anonymous.append(payload)
+                else:
+                    results[rid]["error"] = payload
+                open_count -= 1
                 continue
             ids, stats, final = payload
             if ids is not None:
@@ -96,7 +102,12 @@ def _stream(url, requests, timeout=120.0):
                 results[rid]["stats"] = json.loads(stats[0])
             if final:
                 results[rid]["final"] = True
-                open_ids.discard(rid)
+                open_count -= 1
+        unanswered = [
+            rid for rid in sorted(results) if not results[rid]["final"] and results[rid]["error"] is None
+        ]
+        for rid, message in zip(unanswered, anonymous):
+            results[rid]["error"] = message
     finally:
         client.stop_stream()
         client.close()
@@ -108,7 +119,18 @@ def server(tiny, tmp_path_factory):
     _, eng = tiny
     tmp = tmp_path_factory.mktemp("tiny-server")
     repo = tmp / "repo"
-    models = render("cpu", repo, eng, None, num_slots=3, max_len=96, threads=1, default_mode="dspark")
+    models = render(
+        "cpu",
+        repo,
+        eng,
+        None,
+        num_slots=3,
+        max_len=96,
+        threads=1,
+        default_mode="dspark",
+        max_queue=2,
+        drafter_retry_s=0.5,
+    )
     ports = [free_port() for _ in range(3)]
     srv = Server(repo, models, *ports, log_path=tmp / "server.log")
     with srv:
@@ -197,3 +219,139 @@ def test_bad_requests_get_specific_errors_while_another_stream_keeps_going(tiny,
     again = _stream(url, reqs)
     assert all(again[f"x{i}"]["tokens"] == plain.tokens[:8] for i in range(3))
     assert server.alive()
+
+
+def _metrics(srv) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5) as r:
+        return parse_prometheus(r.read().decode())
+
+
+def _settled(srv, timeout=30.0) -> dict[str, float]:
+    """Metrics once no sequence is held anywhere (bounded wait); fails with the last values."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(srv)
+        held = (
+            m.get('dspark_active_sequences{model="dspark"}'),
+            m.get('dspark_queued_requests{model="dspark"}'),
+            m.get("dspark_target_sequences"),
+            m.get("dspark_drafter_backbone_sequences"),
+        )
+        if held == (0.0, 0.0, 0.0, 0.0) and m.get('dspark_free_slots{model="dspark"}') == 3.0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"sequences still held after {timeout} s: {held}")
+        time.sleep(0.2)
+
+
+def test_metrics_report_acceptance_and_no_slot_is_leaked(server):
+    m = _settled(server)
+    assert m['dspark_requests_total{model="dspark",outcome="rejected"}'] >= len(BAD) - 1
+    assert m['dspark_requests_total{model="dspark",outcome="finished"}'] >= 5
+    assert m['dspark_position_verified_total{model="dspark",position="1"}'] > 0
+    assert m['dspark_acceptance_length_count{model="dspark"}'] > 0
+    assert m['dspark_scheduler_budget_count{model="dspark"}'] > 0
+    assert 0 <= m['dspark_calibration_predicted_survival{model="dspark",position="1"}'] <= 1
+    assert m['dspark_drafter_available{model="dspark"}'] == 1.0
+    assert m['dspark_sps_table{model="dspark",source="quick_probe"}'] == 1.0
+
+
+def test_more_requests_than_slots_and_queue_get_busy_errors(tiny, server):
+    target, _ = tiny
+    prompt = [9, 8, 7, 6]
+    plain = generate(TargetRunner(target, 1, 96), [Request(prompt, 56, stop_ids=frozenset({0}))])[0]
+    reqs = [_ids_request(prompt, 56, "static:3", f"b{i}") for i in range(10)]
+    res = _stream(f"127.0.0.1:{server.grpc_port}", reqs)
+    errors = [r["error"] for r in res.values() if r["error"] is not None]
+    served = [r for r in res.values() if r["error"] is None]
+    assert errors and all("busy" in e and "max_queue 2" in e for e in errors), errors
+    assert len(served) >= 5 and all(r["tokens"] == plain.tokens for r in served)
+    _settled(server)
+
+
+def _long_prompt(target, n_tokens=60):
+    """A prompt whose greedy answer does not stop before n_tokens (the tiny model often stops)."""
+    g = torch.Generator().manual_seed(11)
+    for _ in range(200):
+        p = torch.randint(1, TINY.vocab_size, (4,), generator=g).tolist()
+        r = generate(TargetRunner(target, 1, 96), [Request(p, n_tokens, stop_ids=frozenset({0}))])[0]
+        if r.finish_reason == "length":
+            return p
+    raise AssertionError("no long-answer prompt found")
+
+
+_CLIENT = """
+import os, sys, time, numpy as np, tritonclient.grpc as g
+url, prompt, cancel = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], sys.argv[3] == "1"
+c = g.InferenceServerClient(url)
+c.start_stream(callback=lambda result=None, error=None: None)
+ids = g.InferInput("input_ids", [len(prompt)], "INT64"); ids.set_data_from_numpy(np.array(prompt, np.int64))
+n = g.InferInput("max_tokens", [1], "INT32"); n.set_data_from_numpy(np.array([60], np.int32))
+m = g.InferInput("mode", [1], "BYTES"); m.set_data_from_numpy(np.array([b"off"], dtype=object))
+c.async_stream_infer("dspark", [ids, n, m], request_id="long")
+time.sleep(0.02)  # on its way: 60 target-only rounds take ~0.3 s
+if cancel:
+    c.stop_stream(cancel_requests=True)
+os._exit(0)  # no goodbye: the connection just goes away
+"""
+
+
+def _start_and_drop(url, prompt, cancel: bool):
+    """A client process starts one long request, then cancels it or dies while it decodes."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-c", _CLIENT, url, ",".join(map(str, prompt)), "1" if cancel else "0"]
+    subprocess.run(args, check=True, timeout=60)
+
+
+@pytest.mark.parametrize("cancel", [True, False], ids=["cancel", "disconnect"])
+def test_cancelled_or_disconnected_clients_free_their_slots(tiny, server, cancel):
+    key = 'dspark_requests_total{model="dspark",outcome="%s"}'
+    before = {o: _metrics(server).get(key % o, 0.0) for o in ("cancelled", "finished")}
+    _start_and_drop(f"127.0.0.1:{server.grpc_port}", _long_prompt(tiny[0]), cancel)
+    m = _settled(server)
+    # freed by cancellation, not by running to the end (60 tokens take far longer than the wait)
+    after = {o: m.get(key % o, 0.0) for o in ("cancelled", "finished")}
+    assert after == {"cancelled": before["cancelled"] + 1, "finished": before["finished"]}, (before, after)
+    assert server.alive()
+
+
+def test_unloading_the_drafter_falls_back_to_target_only_and_reloading_recovers(tiny, server):
+    import tritonclient.grpc as grpcclient
+
+    target, _ = tiny
+    url = f"127.0.0.1:{server.grpc_port}"
+    prompt = [11, 12, 13, 14, 15]
+    plain = generate(TargetRunner(target, 1, 96), [Request(prompt, 30, stop_ids=frozenset({0}))])[0]
+    admin = grpcclient.InferenceServerClient(url)
+    try:
+        admin.unload_model("drafter_backbone")
+        deadline = time.monotonic() + 30
+        while admin.is_model_ready("drafter_backbone") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        down = _stream(url, [_ids_request(prompt, 30, "dspark", "fb")])["fb"]
+        assert down["error"] is None and down["tokens"] == plain.tokens
+        assert "drafter" in down["stats"]["fallback"]
+        m = _metrics(server)
+        assert m['dspark_drafter_available{model="dspark"}'] == 0.0
+        assert sum(v for k, v in m.items() if k.startswith("dspark_fallback_events_total")) >= 1
+        admin.load_model("drafter_backbone")
+        time.sleep(0.6)  # drafter_retry_s = 0.5
+        up = _stream(url, [_ids_request(prompt, 30, "dspark", "up")])["up"]
+        assert up["error"] is None and up["tokens"] == plain.tokens and up["stats"]["fallback"] is None
+        assert _metrics(server)['dspark_drafter_available{model="dspark"}'] == 1.0
+    finally:
+        admin.load_model("drafter_backbone")
+        admin.close()
+    _settled(server)
+
+
+def test_sigterm_stops_the_server_cleanly_and_a_restart_serves_again(tiny, server):
+    target, _ = tiny
+    assert server.stop() == 0 and not server.alive()
+    server.start()
+    prompt = [21, 22, 23]
+    plain = generate(TargetRunner(target, 1, 96), [Request(prompt, 12, stop_ids=frozenset({0}))])[0]
+    res = _stream(f"127.0.0.1:{server.grpc_port}", [_ids_request(prompt, 12, "dspark", "again")])
+    assert res["again"]["error"] is None and res["again"]["tokens"] == plain.tokens

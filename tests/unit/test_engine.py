@@ -8,7 +8,7 @@ from dspark.reference import Request, generate
 from dspark.sampling import SamplingParams
 from dspark.scheduler import SPSTable, parse_policy
 from dspark.target import TargetRunner
-from orchestrator.engine import Engine
+from orchestrator.engine import Busy, Engine
 from tests.conftest import TINY, tiny_target
 from tests.unit.test_block_drafter import _drafter
 
@@ -126,3 +126,106 @@ def test_modes_are_validated_at_submit():
     with pytest.raises(ValueError, match="needs a drafter"):
         plain.submit(_reqs(1)[0], "dspark", Collect())
     assert eng.idle and plain.idle
+
+
+class _Flaky:
+    """A drafter that works for `ok` calls of `method`, then raises on every call to it."""
+
+    def __init__(self, inner, method, ok):
+        self.inner, self.method, self.ok = inner, method, ok
+        self.block_size = inner.block_size
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name != self.method:
+            return attr
+
+        def flaky(*a, **k):
+            if self.ok <= 0:
+                raise RuntimeError("drafter_backbone is not loaded")
+            self.ok -= 1
+            return attr(*a, **k)
+
+        return flaky
+
+
+@pytest.mark.parametrize("method, ok", [("propose", 2), ("advance", 3), ("begin", 0)])
+def test_a_failing_drafter_falls_back_to_target_only_with_the_same_tokens(method, ok):
+    target = tiny_target()
+    reqs = _reqs(3, max_tokens=24)
+    plain = [r.tokens for r in generate(TargetRunner(target, 3, 96), reqs)]
+    m = _drafter(target=target)
+    inner = BlockDrafterRunner(m, 3, 96)
+    eng = Engine(TargetRunner(target, 3, 96), _Flaky(inner, method, ok), SPS, None, 3, drafter_retry_s=60)
+    sinks = [Collect() for _ in reqs]
+    for r, s in zip(reqs, sinks):
+        eng.submit(r, "dspark", s)
+    eng.run_until_idle(500)
+    assert [s.out for s in sinks] == plain
+    assert all(s.result.fallback and "drafter" in s.result.fallback for s in sinks)
+    met = eng.metrics
+    assert met.gauge("drafter_available") == 0.0
+    assert sum(v for k, v in met.snapshot()["counters"].items() if k.startswith("fallback_events_total")) >= 3
+    assert eng.target.cache.free_slots == 3 and inner.free_slots == 3
+    # while the drafter is marked down, new requests are admitted target-only straight away
+    late = Collect()
+    eng.submit(reqs[0], "dspark", late)
+    eng.run_until_idle(500)
+    assert late.out == plain[0] and late.result.fallback == "drafter unavailable at admission"
+
+
+def test_the_drafter_is_retried_after_drafter_retry_s():
+    target = tiny_target()
+    req = _reqs(1, max_tokens=16)[0]
+    m = _drafter(target=target)
+    flaky = _Flaky(BlockDrafterRunner(m, 2, 96), "propose", 0)
+    eng = Engine(TargetRunner(target, 2, 96), flaky, SPS, None, 2, drafter_retry_s=0.0)
+    first, second = Collect(), Collect()
+    eng.submit(req, "static:3", first)
+    eng.run_until_idle(200)
+    assert first.result.fallback is not None
+    flaky.ok = 10**6  # the drafter is back
+    eng.submit(req, "static:3", second)
+    eng.run_until_idle(200)
+    assert second.out == first.out and second.result.fallback is None
+    assert second.result.stats.rounds < first.result.stats.rounds or len(second.out) <= 2
+    assert eng.metrics.gauge("drafter_available") == 1.0
+
+
+def test_a_full_queue_answers_busy_and_keeps_the_queued():
+    target = tiny_target()
+    m = _drafter(target=target)
+    eng = Engine(TargetRunner(target, 1, 96), BlockDrafterRunner(m, 1, 96), SPS, None, 1, max_queue=2)
+    reqs = _reqs(4, max_tokens=6)
+    sinks = [Collect() for _ in reqs]
+    for r, s in zip(reqs[:3], sinks):
+        eng.submit(r, "static:2", s)
+    with pytest.raises(Busy, match="max_queue 2"):
+        eng.submit(reqs[3], "static:2", sinks[3])
+    eng.run_until_idle(500)
+    assert all(s.result is not None for s in sinks[:3])
+    assert eng.metrics.counter("requests_total", outcome="busy") == 1
+    assert eng.metrics.counter("requests_total", outcome="finished") == 3
+
+
+def test_metrics_count_every_verified_and_accepted_draft():
+    target = tiny_target()
+    eng, _ = _engine(target)
+    reqs = _reqs(3)
+    sinks = [Collect() for _ in reqs]
+    for r, s in zip(reqs, sinks):
+        eng.submit(r, "static:3", s)
+    eng.run_until_idle(500)
+    met, snap = eng.metrics, eng.metrics.snapshot()
+    rounds = [t for s in sinks for t in s.result.trace]
+    for k in (1, 2, 3):
+        assert met.counter("position_verified_total", position=str(k)) == sum(t.proposed >= k for t in rounds)
+        assert met.counter("position_accepted_total", position=str(k)) == sum(t.accepted >= k for t in rounds)
+    assert snap["histograms"]["verify_length"]["count"] == len(rounds)
+    assert snap["histograms"]["acceptance_length"]["sum"] == sum(t.accepted for t in rounds)
+    assert met.counter("generated_tokens_total") == sum(len(s.out) for s in sinks)
+    assert met.gauge("active_sequences") == 0 and met.gauge("free_slots") == 3
+    cal = met.calibration()
+    assert cal["positions"] == [1, 2, 3] and all(0 <= p <= 1 for p in cal["predicted"])
+    verified = [t for t in rounds if t.proposed >= 1]
+    assert cal["realized"][0] == pytest.approx(sum(t.accepted >= 1 for t in verified) / len(verified))

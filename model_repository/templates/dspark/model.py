@@ -47,10 +47,11 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         sys.path.insert(0, params["code_root"])
+        from orchestrator.metrics import TritonMetricsBackend
         from orchestrator.runtime import make_orchestrator
 
         self.inputs = [i["name"] for i in config["input"]]
-        self.orchestrator = make_orchestrator(params, _bls).start()
+        self.orchestrator = make_orchestrator(params, _bls, TritonMetricsBackend(pb_utils)).start()
 
     def execute(self, requests):
         for request in requests:
