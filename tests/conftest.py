@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 from dspark.target import LlamaTarget, TargetConfig
@@ -38,3 +39,23 @@ def perturbed_copy(model: LlamaTarget, scale: float, seed: int = 1) -> LlamaTarg
         for p in m.parameters():
             p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g, dtype=p.dtype))
     return m.eval()
+
+
+@pytest.fixture(scope="session")
+def real_engines(tmp_path_factory):
+    """SmolLM2 + the shipped DSpark drafter built into ORT engines once per test session
+    (buckets 1, 4, 8; context 1024): (LoadedTarget, engines folder)."""
+    from dspark.models import load_target
+    from dspark.pipeline import SHIPPED, load_drafter
+    from engines.build import BuildConfig, Builder, build_drafter, build_target, sha256_tensors
+
+    if not (SHIPPED / "dspark" / "drafter.json").exists():
+        pytest.fail("the shipped DSpark drafter is missing from drafters/dspark: run `make train`")
+    loaded = load_target()
+    drafter, sts = load_drafter("dspark", loaded)
+    out = tmp_path_factory.mktemp("engines-real")
+    b = Builder(out, BuildConfig(buckets=[1, 4, 8], max_context=1024, threads=2))
+    build_target(b, loaded.model, sha256_tensors(loaded.model))
+    build_drafter(b, drafter, sha256_tensors(drafter), {"sts": sts.to_dict() if sts else None})
+    b.write_manifest({})
+    return loaded, out

@@ -6,30 +6,17 @@ import pytest
 import torch
 
 from dspark.cli import first_turn, shared_dir
-from dspark.models import load_target
-from dspark.pipeline import SHIPPED, load_drafter
 from dspark.reference import Request, generate
 from dspark.scheduler import SPSTable, parse_policy
 from dspark.target import TargetRunner
-from engines.build import BuildConfig, Builder, build_drafter, build_target, sha256_tensors
 from engines.ort import OrtDrafterRunner, OrtTargetRunner, session
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    if not (SHIPPED / "dspark" / "drafter.json").exists():
-        pytest.fail("the shipped DSpark drafter is missing from drafters/dspark: run `make train`")
-    torch.set_num_threads(2)
-    loaded = load_target()
-    drafter, sts = load_drafter("dspark", loaded)
-    out = tmp_path_factory.mktemp("engines-real")
-    b = Builder(out, BuildConfig(buckets=[1, 4], max_context=1024, threads=2))
-    build_target(b, loaded.model, sha256_tensors(loaded.model))
-    build_drafter(b, drafter, sha256_tensors(drafter), {"sts": sts.to_dict() if sts else None})
-    b.write_manifest({})
-    return loaded, out
+def built(real_engines):
+    return real_engines
 
 
 def test_real_engines_pass_their_gates(built):
