@@ -208,14 +208,17 @@ class OrtDrafterRunner(Drafter):
 
     def propose(self, rids, anchors, params, gens) -> Proposal:
         U, h = self.backbone(rids, anchors)
-        R = len(rids)
-        B = bucket_for(R, list(self.backbones), "batch of")
         prev = torch.from_numpy(self.to_draft[np.asarray(anchors, np.int64)])
-        return sample_block(self._head(B, R), U, h, prev, self.draft_vocab, self.vocab_size, params, gens)
+        return sample_block(self.head_step, U, h, prev, self.draft_vocab, self.vocab_size, params, gens)
 
     def backbone(self, rids, anchors) -> tuple[torch.Tensor, torch.Tensor]:
         """The parallel stage for a batch: base logits U [R, γ, Vd] and hidden h [R, γ, d];
-        the features committed since the last round join the context cache."""
+        the features committed since the last round join the context cache. Batches above the
+        largest bucket run in chunks of it."""
+        top = max(self.backbones)
+        if len(rids) > top:
+            parts = [self.backbone(rids[i : i + top], anchors[i : i + top]) for i in range(0, len(rids), top)]
+            return torch.cat([u for u, _ in parts]), torch.cat([h for _, h in parts])
         R, L = len(rids), self.cfg["num_layers"]
         B = bucket_for(R, list(self.backbones), "batch of")
         slots = [self._slot[r] for r in rids]
@@ -249,7 +252,23 @@ class OrtDrafterRunner(Drafter):
 
     def head_step(self, U_k, h_k, prev, state):
         """One sequential step for R rows (padded to the bucket): (z_k, c_k, state)."""
-        R = len(U_k)
+        R, top = len(U_k), max(self.backbones)
+        if R > top:  # chunks of the largest bucket
+            parts = [
+                self.head_step(
+                    U_k[i : i + top],
+                    h_k[i : i + top],
+                    prev[i : i + top],
+                    None if state is None else state[i : i + top],
+                )
+                for i in range(0, R, top)
+            ]
+            states = [p[2] for p in parts]
+            return (
+                torch.cat([p[0] for p in parts]),
+                torch.cat([p[1] for p in parts]),
+                None if states[0] is None else torch.cat(states),
+            )
         return self._head(bucket_for(R, list(self.backbones), "batch of"), R)(U_k, h_k, prev, state)
 
     def _head(self, B: int, R: int):

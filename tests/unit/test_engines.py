@@ -149,16 +149,19 @@ def test_sampling_through_the_engines_draws_what_pytorch_draws(built):
     assert [r.tokens for r in res] == [r.tokens for r in pt]
 
 
-def test_shapes_outside_the_buckets_are_refused(built):
+def test_batches_above_the_largest_bucket_run_in_chunks_and_other_shapes_are_refused(built):
     _, _, _, out = built
     d = OrtDrafterRunner.load(out, num_slots=6, threads=1)
-    feats = torch.zeros(5, TINY.feature_size)
+    feats = torch.randn(5, TINY.feature_size, generator=torch.Generator().manual_seed(2))
     for rid in range(5):
         d.begin(rid, [1] * 5, feats)
     params = [SamplingParams()] * 5
     gens = [torch.Generator().manual_seed(0) for _ in range(5)]
-    with pytest.raises(ShapeError, match="largest engine bucket 4"):
-        d.propose(list(range(5)), [1] * 5, params, gens)
+    prop = d.propose(list(range(5)), [1] * 5, params, gens)  # buckets 1, 4: chunks of 4 + 1
+    one = OrtDrafterRunner.load(out, num_slots=1, threads=1)
+    one.begin(0, [1] * 5, feats)
+    alone = one.propose([0], [1], params[:1], gens[:1])
+    assert all(prop.tokens[r].tolist() == alone.tokens[0].tolist() for r in range(5))
     with pytest.raises(ShapeError, match="max_context 64"):
         d.begin(9, [1] * 70, torch.zeros(70, TINY.feature_size))
     assert d.free_slots == 1  # the refused request took no slot

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from dspark.cli import first_turn, shared_dir
 from dspark.reference import Request, generate

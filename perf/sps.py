@@ -1,0 +1,258 @@
+"""`dspark sps` / `make sps`: the target's steps-per-second curve SPS(B), measured with perf_analyzer.
+
+A tritonserver on loopback serves only the `target` model; perf_analyzer (the binary from the
+tritonclient 2.51.0 wheel, installed by `make setup`) drives its probe entry — one sequence
+verifying B new tokens on a cached synthetic context of L tokens, exactly the work of a
+verification step of B batch tokens — at concurrency 1 for every B and L:
+
+    perf_analyzer -m target -i grpc --concurrency-range 1 --input-data pB_L.json \
+        --measurement-mode count_windows --percentile 50 -f pB_L.csv
+
+The CSV is parsed by header name. Steps/s at B = 1e6 / `Server Compute Infer` (µs): the model's
+own execution time, which is what a BLS call from the orchestrator pays (the client-side rate,
+`Inferences/Second`, also carries gRPC and Python client overhead; both are stored). The table
+the orchestrator loads is the curve at the first context length; the others are kept under
+`curves` with their own context. Output: perf/results/sps.json + perf/results/sps.png.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+DEFAULT_CONTEXTS = [256, 1024]
+
+
+class PerfAnalyzerError(RuntimeError):
+    pass
+
+
+def perf_analyzer() -> tuple[Path, dict]:
+    """The perf_analyzer binary and the environment it needs (libcudart from the venv)."""
+    venv = Path(sys.executable).parent.parent
+    exe = venv / "tools" / "bin" / "perf_analyzer"
+    if not exe.exists():
+        raise PerfAnalyzerError(
+            f"no perf_analyzer at {exe}: run `make setup` (it extracts it from tritonclient 2.51.0)"
+        )
+    env = dict(os.environ)
+    libs = [str(p) for p in (venv / "lib").glob("python3*/site-packages/nvidia/cuda_runtime/lib")]
+    if not libs:
+        raise PerfAnalyzerError("libcudart.so.12 is missing (nvidia-cuda-runtime-cu12): run `make setup`")
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
+    return exe, env
+
+
+def parse_csv(path: Path) -> list[dict[str, float]]:
+    """perf_analyzer's CSV as dicts keyed by header name, sorted by concurrency (the file is
+    sorted by throughput)."""
+    with Path(path).open(newline="") as f:
+        rows = [
+            {k.strip(): float(v) for k, v in row.items() if k and v not in (None, "")}
+            for row in csv.DictReader(f)
+        ]
+    if not rows:
+        raise PerfAnalyzerError(f"{path} has no measurement rows")
+    for col in ("Concurrency", "Inferences/Second", "Server Compute Infer", "p50 latency", "p99 latency"):
+        if col not in rows[0]:
+            raise PerfAnalyzerError(f"{path}: no column {col!r} (header: {sorted(rows[0])})")
+    return sorted(rows, key=lambda r: r["Concurrency"])
+
+
+def measure_point(
+    url: str, b: int, context: int, workdir: Path, request_count: int = 40, vocab: int = 49152
+) -> dict:
+    """One perf_analyzer run: the probe entry at B tokens on a context of `context` tokens."""
+    exe, env = perf_analyzer()
+    workdir.mkdir(parents=True, exist_ok=True)
+    data = workdir / f"probe_b{b}_l{context}.json"
+    tokens = [(13 * i + 500) % vocab for i in range(b)]
+    data.write_text(
+        json.dumps(
+            {"data": [{"probe_tokens": {"content": tokens, "shape": [1, b]}, "probe_context": [context]}]}
+        )
+    )
+    out = workdir / f"probe_b{b}_l{context}.csv"
+    cmd = [
+        str(exe), "-m", "target", "-u", url, "-i", "grpc", "--concurrency-range", "1",
+        "--input-data", str(data), "--measurement-mode", "count_windows",
+        "--measurement-request-count", str(request_count), "--stability-percentage", "25",
+        "--max-trials", "6", "--percentile", "50", "-f", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0 or not out.exists():
+        raise PerfAnalyzerError(
+            f"perf_analyzer failed at B={b}, L={context} (exit {proc.returncode}):\n"
+            + proc.stdout[-1500:]
+            + proc.stderr[-1500:]
+        )
+    row = parse_csv(out)[0]
+    return {
+        "batch_tokens": b,
+        "context": context,
+        "steps_per_second": 1e6 / row["Server Compute Infer"],
+        "client_steps_per_second": row["Inferences/Second"],
+        "compute_infer_us": row["Server Compute Infer"],
+        "p50_us": row["p50 latency"],
+        "p99_us": row["p99 latency"],
+    }
+
+
+def versions() -> dict:
+    import onnxruntime
+
+    return {
+        "perf_analyzer": "tritonclient 2.51.0 wheel",
+        "tritonserver": "2.51.0 (nvidia-pytriton 0.7.0)",
+        "onnxruntime": onnxruntime.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}"
+
+
+def run_sweep(
+    engines: Path,
+    sizes: list[int],
+    contexts: list[int],
+    out: Path,
+    threads: int = 2,
+    request_count: int = 40,
+    log=print,
+) -> dict:
+    """Start a target-only server on free loopback ports, sweep, write `out` (+ .png)."""
+    from tqdm import tqdm
+
+    from dspark.scheduler import SPSTable
+    from orchestrator.repository import render
+    from orchestrator.server import Server, free_port
+
+    if max(sizes) + 1 > 64 + 1:
+        raise ValueError("the probe entry takes at most 64 tokens per step (B <= 64)")
+    work = REPO / "build" / "sps"
+    vocab = json.loads((engines / "target_meta.json").read_text())["config"]["vocab_size"]
+    render(
+        "cpu", work / "repository", engines, None, num_slots=1, max_len=max(contexts) + 64, threads=threads
+    )
+    server = Server(
+        (work / "repository").resolve(), ["target"], free_port(), free_port(), free_port(),
+        log_path=work / "server.log",
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    points = []
+    with server:
+        url = f"127.0.0.1:{server.grpc_port}"
+        log(
+            f"[sps] target served on {url}; {len(sizes)} sizes × {len(contexts)} contexts through perf_analyzer"
+        )
+        with tqdm(total=len(sizes) * len(contexts), unit="point", desc="sps") as bar:
+            for L in contexts:
+                for b in sizes:
+                    p = measure_point(url, b, L, work / "csv", request_count, vocab)
+                    points.append(p)
+                    bar.set_postfix(B=b, L=L, sps=f"{p['steps_per_second']:.0f}")
+                    bar.update()
+    curves = []
+    for L in contexts:
+        pts = [p for p in points if p["context"] == L]
+        curves.append(
+            {
+                "context": L,
+                "batch_tokens": [p["batch_tokens"] for p in pts],
+                "steps_per_second": [p["steps_per_second"] for p in pts],
+                "client_steps_per_second": [p["client_steps_per_second"] for p in pts],
+                "p50_us": [p["p50_us"] for p in pts],
+                "p99_us": [p["p99_us"] for p in pts],
+            }
+        )
+    meta = {
+        "source": "perf_analyzer on the target's probe entry (1e6 / Server Compute Infer µs)",
+        "context": contexts[0],
+        "machine": machine(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "threads": threads,
+        "engines": str(engines),
+        "versions": versions(),
+        "command": "dspark sps " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["sps"] else "dspark sps",
+        "wall_seconds": round(time.perf_counter() - t0, 1),
+    }
+    first = curves[0]
+    table = SPSTable(tuple(first["batch_tokens"]), tuple(first["steps_per_second"]), meta)
+    result = {**table.to_dict(), "curves": curves}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out.with_suffix(".png"))
+    log(f"[sps] wrote {out} and {out.with_suffix('.png')} in {meta['wall_seconds']:.0f} s")
+    return result
+
+
+def plot(result: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for c in result["curves"]:
+        b = c["batch_tokens"]
+        a1.plot(b, c["steps_per_second"], marker="o", ms=3, label=f"server compute, L={c['context']}")
+        a1.plot(b, c["client_steps_per_second"], ls="--", lw=1, label=f"client side, L={c['context']}")
+        tok = [x * y for x, y in zip(b, c["steps_per_second"])]
+        a2.plot(b, tok, marker="o", ms=3, label=f"L={c['context']}")
+    a1.set_xlabel("batch tokens B per step")
+    a1.set_ylabel("steps / s")
+    a1.set_title("SPS(B): target verify step (perf_analyzer)")
+    a1.legend(fontsize=8)
+    a2.set_xlabel("batch tokens B per step")
+    a2.set_ylabel("tokens / s (B × SPS)")
+    a2.set_title("token throughput of one step")
+    a2.legend(fontsize=8)
+    m = result["meta"]
+    fig.suptitle(f"{m['machine']} · {m['date']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser(
+        "sps", help="measure the target's SPS(B) curve with perf_analyzer → perf/results/sps.json"
+    )
+    s.add_argument("--engines", default="build/engines", help="a `make engines` build folder")
+    s.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="batch tokens B (comma list)")
+    s.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), help="context lengths L")
+    s.add_argument("--out", default="perf/results/sps.json")
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--requests", type=int, default=40, help="requests per perf_analyzer measurement window")
+    s.set_defaults(fn=cmd_sps)
+
+
+def cmd_sps(args) -> int:
+    engines = Path(args.engines)
+    if not (engines / "manifest.json").exists():
+        print(f"error: no engines in {engines}: run `make engines` first", file=sys.stderr)
+        return 2
+    try:
+        run_sweep(
+            engines,
+            [int(x) for x in args.sizes.split(",")],
+            [int(x) for x in args.contexts.split(",")],
+            Path(args.out),
+            args.threads,
+            args.requests,
+        )
+    except PerfAnalyzerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
