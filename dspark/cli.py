@@ -531,8 +531,6 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", default="docs/acceptance")
     rp.set_defaults(fn=cmd_report)
 
-    from perf.bench import add_parser as add_bench
-
     from engines.cli import add_parser as add_engines
     from orchestrator.cli import add_parsers as add_serving
     from perf.sps import add_parser as add_sps
@@ -540,7 +538,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_engines(sub)
     add_serving(sub)
     add_sps(sub)
-    add_bench(sub)
     return p
 
 

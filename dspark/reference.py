@@ -170,28 +170,49 @@ def _target_round(target: Target, active: list[_Live]) -> None:
 
 
 def _speculative_round(
-    target: Target, drafter: Drafter, policy: Policy, calibration: STS | None, active: list[_Live]
+    target: Target,
+    drafter: Drafter,
+    policy: Policy,
+    calibration: STS | None,
+    active: list[_Live],
+    draft_mask: np.ndarray | None = None,
 ) -> None:
+    """One draft → schedule → verify round. Rows with draft_mask False do not draft this round
+    (a `dspark-skip` decision made from stale confidences): they verify ℓ = 0, i.e. decode one
+    target token, and still hand its features to the drafter."""
     gamma = drafter.block_size
     R = len(active)
-    prop = drafter.propose(
-        [s.rid for s in active],
-        [s.anchor for s in active],
-        [s.req.params for s in active],
-        [s.gen for s in active],
-    )
-    raw = prop.conf_logits.double().numpy()
+    mask = np.ones(R, bool) if draft_mask is None else np.asarray(draft_mask, bool)
+    rows = np.flatnonzero(mask)
+    raw = np.zeros((R, gamma))
+    drafts = torch.zeros(R, gamma, dtype=torch.long)
+    probs = torch.zeros(R, gamma, 1)
+    if len(rows):
+        sub = [active[r] for r in rows]
+        prop = drafter.propose(
+            [s.rid for s in sub], [s.anchor for s in sub], [s.req.params for s in sub], [s.gen for s in sub]
+        )
+        if len(rows) == R:
+            drafts, probs = prop.tokens, prop.probs
+        else:
+            drafts[rows] = prop.tokens
+            probs = prop.probs.new_zeros(R, gamma, prop.probs.shape[-1])
+            probs[rows] = prop.probs
+        raw[rows] = prop.conf_logits.double().numpy()
     conf = calibration.apply(raw) if calibration is not None else 1.0 / (1.0 + np.exp(-raw))
-    max_len = np.array([min(gamma, s.req.max_tokens - len(s.out) - 1) for s in active], dtype=np.int64)
+    conf[~mask] = 0.0
+    max_len = np.array(
+        [min(gamma, s.req.max_tokens - len(s.out) - 1) if m else 0 for s, m in zip(active, mask)],
+        dtype=np.int64,
+    )
     stale = np.full((R, gamma), np.nan)
     for r, s in enumerate(active):
         if len(s.conf_history) == 2:
             stale[r] = s.conf_history[0]
     lengths = np.asarray(policy.schedule(conf, max_len, stale), dtype=np.int64)
-    for r, s in enumerate(active):
-        s.conf_history = (s.conf_history + [conf[r]])[-2:]
+    for r in rows:
+        active[r].conf_history = (active[r].conf_history + [conf[r]])[-2:]
 
-    drafts = prop.tokens
     start = [target.length(s.slot) for s in active]
     step = target.step(
         [s.slot for s in active],
@@ -201,7 +222,7 @@ def _speculative_round(
     if p.shape[1] < gamma + 1:  # every request verified fewer than γ drafts: pad the unused rows
         p = torch.cat([p, p[:, -1:].expand(R, gamma + 1 - p.shape[1], -1)], dim=1)
     u = torch.stack([uniforms(s.gen, gamma + 1) for s in active])
-    verdict = chain_verify(drafts, prop.probs, p, torch.from_numpy(lengths), u)
+    verdict = chain_verify(drafts, probs, p, torch.from_numpy(lengths), u)
 
     for r, s in enumerate(active):
         n = int(verdict.accepted[r])
@@ -216,7 +237,8 @@ def _speculative_round(
         # a round that ends on an accepted stop token counts the drafts up to it, no bonus (§6.2)
         record = RoundRecord(int(lengths[r]), len(c.tokens) if c.stopped else n, c.stopped)
         s.stats.add(record)
-        s.trace.append(RoundTrace(record.proposed, record.accepted, record.stopped, raw[r].copy()))
+        if mask[r]:
+            s.trace.append(RoundTrace(record.proposed, record.accepted, record.stopped, raw[r].copy()))
         s.emit(c.tokens, c.finished)
         target.rollback(s.slot, start[r] + n + 1)
         if not c.finished:

@@ -38,6 +38,7 @@ __all__ = [
     "Off",
     "Policy",
     "SPSTable",
+    "SkipDrafting",
     "Static",
     "Threshold",
     "candidate_order",
@@ -45,7 +46,14 @@ __all__ = [
     "prefix_survival",
 ]
 
-POLICY_NAMES: tuple[str, ...] = ("off", "static:<k>", "threshold:<x>", "dspark", "dspark-async")
+POLICY_NAMES: tuple[str, ...] = (
+    "off",
+    "static:<k>",
+    "threshold:<x>",
+    "dspark",
+    "dspark-async",
+    "dspark-skip",
+)
 """Valid forms of a policy spec for `parse_policy` (k: int ≥ 0, x: float in [0, 1])."""
 
 
@@ -471,6 +479,66 @@ class AsyncTopK(Policy):
         return _lengths_from_admitted(r_idx[:k_capacity], n_requests)
 
 
+@dataclass(frozen=True)
+class SkipDrafting(Algorithm1):
+    """Algorithm 1, plus a decision before the draft round: which requests draft at all.
+
+    The paper's drafter cost is paid for every request even when the scheduler then verifies
+    0–1 of its drafts; on a CPU a draft round is not free. `plan` decides, from each request's
+    STALE confidences (its last round's, NaN when it has none) and the SPS table, whether
+    drafting is worth its measured cost this round; requests that do not draft verify ℓ = 0,
+    i.e. decode one target token. Lossless: the decision never looks at this round's drafts.
+
+    Expected tokens per second of a plan with drafting set D (R requests in the round):
+        no drafting:  R / t(R)
+        D non-empty:  (R + Σ_{r∈D} E_r) / (t_draft + t(R + Σ_{r∈D} ℓ_r))
+    where ℓ_r is what Algorithm 1 would verify on the stale survivals and E_r their sum. Sets
+    D are the `forced` requests plus the top-k of the rest by E_r, k = 0..R (the best k wins,
+    the smallest on ties). Requests with no history are forced to draft (nothing to go on).
+    """
+
+    prior: float = 0.7
+    skip_drafting = True
+
+    @property
+    def name(self) -> str:
+        return "dspark-skip"
+
+    def plan(
+        self,
+        stale_conf: np.ndarray,
+        max_len: np.ndarray,
+        draft_seconds: float | None,
+        forced: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """bool [R]: which requests draft this round."""
+        stale = np.asarray(stale_conf, dtype=np.float64)
+        max_len = np.asarray(max_len, dtype=np.int64)
+        R = stale.shape[0]
+        forced = np.zeros(R, bool) if forced is None else np.asarray(forced, bool).copy()
+        forced |= np.isnan(stale).all(axis=1)
+        if draft_seconds is None or R == 0:
+            return np.ones(R, bool)
+        stale = np.where(np.isnan(stale), self.prior, stale)
+        ell = self.schedule(stale, max_len)
+        surv = prefix_survival(stale)
+        gain = np.array([surv[r, : ell[r]].sum() for r in range(R)])
+        rest = np.flatnonzero(~forced)
+        rest = rest[np.argsort(-gain[rest], kind="stable")]
+        best, best_mask = -1.0, None
+        for k in range(len(rest) + 1):
+            mask = forced.copy()
+            mask[rest[:k]] = True
+            if mask.any():
+                tokens = R + gain[mask].sum()
+                seconds = draft_seconds + self.sps.step_time(R + int(ell[mask].sum()))
+            else:
+                tokens, seconds = float(R), self.sps.step_time(R)
+            if tokens / seconds > best:
+                best, best_mask = tokens / seconds, mask
+        return best_mask
+
+
 # ---------------------------------------------------------------------------------------------
 # Policy specs
 # ---------------------------------------------------------------------------------------------
@@ -479,8 +547,8 @@ class AsyncTopK(Policy):
 def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
     """Build a policy from its spec string: one of `POLICY_NAMES`.
 
-    "off", "static:<k>" (int k ≥ 0), "threshold:<x>" (float x in [0, 1]), "dspark" and
-    "dspark-async" (both need `sps`, the measured SPS(B) table).
+    "off", "static:<k>" (int k ≥ 0), "threshold:<x>" (float x in [0, 1]), "dspark",
+    "dspark-async" and "dspark-skip" (these three need `sps`, the measured SPS(B) table).
     """
     valid = ", ".join(repr(s) for s in POLICY_NAMES)
     if not isinstance(spec, str):
@@ -491,7 +559,7 @@ def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
     def bad(why: str) -> ValueError:
         return ValueError(f"invalid policy spec {spec!r}: {why}. Valid forms: {valid}.")
 
-    if head in ("off", "dspark", "dspark-async"):
+    if head in ("off", "dspark", "dspark-async", "dspark-skip"):
         if sep:
             raise bad(f"{head!r} takes no argument")
         if head == "off":
@@ -501,7 +569,7 @@ def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
                 f"policy {head!r} needs an SPS table (measured engine steps per second vs batch tokens); "
                 "pass sps=SPSTable.from_json(...) or profile the engine first."
             )
-        return Algorithm1(sps) if head == "dspark" else AsyncTopK(sps)
+        return {"dspark": Algorithm1, "dspark-async": AsyncTopK, "dspark-skip": SkipDrafting}[head](sps)
     if head == "static":
         try:
             k = int(arg)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,6 +69,7 @@ class _GuardedDrafter(Drafter):
         self.inner = inner
         self.block_size = inner.block_size
         self.lost: dict[int, str] = {}
+        self.seconds: float | None = None  # moving average of one propose call (dspark-skip reads it)
 
     @property
     def free_slots(self) -> int:
@@ -98,10 +101,14 @@ class _GuardedDrafter(Drafter):
             log.warning("drafter release of request %d failed (%s); continuing", rid, exc)
 
     def propose(self, rids, anchors, params, gens) -> Proposal:
+        t0 = time.perf_counter()
         try:
-            return self.inner.propose(rids, anchors, params, gens)
+            prop = self.inner.propose(rids, anchors, params, gens)
         except Exception as exc:  # noqa: BLE001
             raise DrafterFailure(str(exc)) from exc
+        seconds = time.perf_counter() - t0
+        self.seconds = seconds if self.seconds is None else 0.8 * self.seconds + 0.2 * seconds
+        return prop
 
 
 class Sink(Protocol):
@@ -121,6 +128,7 @@ class _Entry:
     drafting: bool = False  # holds drafter state and runs speculative rounds
     fallback: str | None = None  # why a speculative request continues target-only
     traced: int = 0  # rounds of live.trace already reported to the metrics
+    skipped: int = 0  # consecutive rounds this request did not draft (dspark-skip)
 
 
 class Engine:
@@ -202,7 +210,11 @@ class Engine:
         for mode, entries in groups.items():
             lives = [e.live for e in entries]
             try:
-                _speculative_round(self.target, self.drafter, self.policy(mode), self.calibration, lives)
+                policy = self.policy(mode)
+                mask = (
+                    self._plan_drafting(policy, entries) if getattr(policy, "skip_drafting", False) else None
+                )
+                _speculative_round(self.target, self.drafter, policy, self.calibration, lives, mask)
             except DrafterFailure as exc:  # nothing changed yet: these requests go on target-only
                 self._fall_back(entries, f"drafter failed: {exc}")
                 plain += entries
@@ -224,6 +236,24 @@ class Engine:
             self.metrics.round_budget(budget)
         self._deliver()
         self.metrics.occupancy(len(self.active), len(self.queue), self._free_slots())
+
+    SKIP_REFRESH = 4  # a request that skipped this many rounds in a row drafts again (fresh confidences)
+
+    def _plan_drafting(self, policy, entries: list[_Entry]) -> np.ndarray:
+        """dspark-skip: which requests draft this round, from stale confidences only."""
+        gamma = self.drafter.block_size
+        stale = np.full((len(entries), gamma), np.nan)
+        for r, e in enumerate(entries):
+            if e.live.conf_history:
+                stale[r] = e.live.conf_history[-1]
+        max_len = np.array([min(gamma, e.live.req.max_tokens - len(e.live.out) - 1) for e in entries])
+        forced = np.array([e.skipped >= self.SKIP_REFRESH for e in entries])
+        mask = policy.plan(stale, np.maximum(max_len, 0), self.drafter.seconds, forced)
+        for e, m in zip(entries, mask):
+            e.skipped = 0 if m else e.skipped + 1
+        if (~mask).any():
+            self.metrics.inc("skipped_drafts_total", float((~mask).sum()))
+        return mask
 
     def _report_rounds(self, entries: list[_Entry]) -> int:
         """Per-round acceptance and calibration metrics; returns the round's Σℓ."""

@@ -17,6 +17,7 @@ Families (all prefixed `dspark_`):
   active_sequences / queued_requests / free_slots      gauges, after every engine step
   drafter_available                  gauge: 1 while drafting, 0 during a fallback to target-only
   fallback_events_total{reason}      drafter failures that switched requests to target-only
+  skipped_drafts_total               dspark-skip: request-rounds that decided not to draft
   calibration_predicted_survival{position} / calibration_realized_survival{position}
                                      running means over verified positions: the calibrated
                                      prefix survival the scheduler used vs what happened
@@ -177,6 +178,9 @@ DESCRIPTIONS = {
     "calibration_predicted_survival": "Mean calibrated prefix survival the scheduler used, per position",
     "calibration_realized_survival": "Mean realized prefix survival, per position",
     "sps_table": "The SPS table in use (label source)",
+    "skipped_drafts_total": "Request-rounds where dspark-skip decided drafting would not pay",
+    "engine_steps_total": "Engine steps that ran at least one request",
+    "engine_step_seconds_total": "Wall time of those engine steps (model calls + everything else)",
 }
 
 

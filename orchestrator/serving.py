@@ -194,8 +194,13 @@ class Orchestrator:
                 if sender.is_cancelled():
                     self.engine.cancel(rid)
             try:
+                busy = not self.engine.idle
+                t0 = time.perf_counter()
                 self.engine.step()
                 self.rounds += 1
+                if busy:  # model calls + everything else; the benchmark splits the two
+                    self.engine.metrics.inc("engine_steps_total")
+                    self.engine.metrics.inc("engine_step_seconds_total", time.perf_counter() - t0)
             except Exception:  # the engine isolates request failures; this is a last resort
                 log.exception("engine step failed")
                 time.sleep(0.1)

@@ -153,9 +153,7 @@ def run_sweep(
     points = []
     with server:
         url = f"127.0.0.1:{server.grpc_port}"
-        log(
-            f"[sps] target served on {url}; {len(sizes)} sizes × {len(contexts)} contexts through perf_analyzer"
-        )
+        log(f"[sps] target on {url}; {len(sizes)} sizes × {len(contexts)} contexts through perf_analyzer")
         with tqdm(total=len(sizes) * len(contexts), unit="point", desc="sps") as bar:
             for L in contexts:
                 for b in sizes:

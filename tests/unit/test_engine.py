@@ -50,7 +50,7 @@ def _engine(target, slots=3, max_active=3):
     return Engine(TargetRunner(target, slots, 96), BlockDrafterRunner(m, slots, 96), SPS, None, max_active), m
 
 
-@pytest.mark.parametrize("mode", ["off", "static:3", "dspark", "dspark-async"])
+@pytest.mark.parametrize("mode", ["off", "static:3", "dspark", "dspark-async", "dspark-skip"])
 def test_staggered_admission_gives_the_target_alone_greedy_tokens(mode):
     target = tiny_target()
     reqs = _reqs(6)
@@ -229,3 +229,29 @@ def test_metrics_count_every_verified_and_accepted_draft():
     assert cal["positions"] == [1, 2, 3] and all(0 <= p <= 1 for p in cal["predicted"])
     verified = [t for t in rounds if t.proposed >= 1]
     assert cal["realized"][0] == pytest.approx(sum(t.accepted >= 1 for t in verified) / len(verified))
+
+
+def test_dspark_skip_decodes_the_same_tokens_whether_it_drafts_or_not():
+    """A free draft round: only requests whose scheduled ℓ would be 0 skip; a prohibitive one:
+    only requests without history (first round) or due for a refresh draft; the tokens are
+    the target's either way."""
+    target = tiny_target()
+    reqs = _reqs(3, max_tokens=30)
+    plain = [r.tokens for r in generate(TargetRunner(target, 3, 96), reqs)]
+    skipped = {}
+    for draft_seconds in (0.0, 1e6):
+        eng, _ = _engine(target)
+        sinks = [Collect() for _ in reqs]
+        for r, s in zip(reqs, sinks):
+            eng.submit(r, "dspark-skip", s)
+        eng.step()  # the first round drafts (no confidences yet) and measures the draft cost
+        eng.drafter.seconds = draft_seconds
+        eng.run_until_idle(500)
+        assert [s.out for s in sinks] == plain
+        skipped[draft_seconds] = eng.metrics.counter("skipped_drafts_total")
+        drafted_rounds = sum(len(s.result.trace) for s in sinks)
+        all_rounds = sum(s.result.stats.rounds for s in sinks)
+        assert drafted_rounds + skipped[draft_seconds] == all_rounds
+        if draft_seconds > 0:
+            assert drafted_rounds <= 3 + all_rounds / (Engine.SKIP_REFRESH + 1) + 3
+    assert skipped[0.0] < skipped[1e6]
