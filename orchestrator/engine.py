@@ -28,10 +28,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-
-import numpy as np
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
 
 from dspark.calibration import STS, cumulative_survival, sigmoid
 from dspark.drafter import Drafter, Proposal
