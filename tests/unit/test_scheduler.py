@@ -613,7 +613,7 @@ def test_skip_drafting_plan_maximises_expected_tokens_per_second():
         ell = pol.schedule(stale, max_len)
         gain = np.array([prefix_survival(stale)[r, : ell[r]].sum() for r in range(R)])
 
-        def rate(m):
+        def rate(m, R=R, gain=gain, ell=ell, draft=draft):
             m = np.asarray(m, bool)
             if not m.any():
                 return R / sps.step_time(R)
