@@ -5,12 +5,13 @@ PYTEST  := $(PY) -m pytest
 export OMP_NUM_THREADS ?= 2
 SHARED  ?= $(or $(DSPARK_SHARED),../shared)
 
-.PHONY: setup demo test test-fast test-slow lint clean data train eval engines
+.PHONY: setup demo test test-fast test-slow lint clean data train eval engines serve sps bench
 
 setup:
 	@bash scripts/setup.sh
 
-# The demo builds the engines on first use (~2 min), then compares target-only and DSpark decoding.
+# The demo builds the engines on first use (~2 min), starts tritonserver on free loopback ports,
+# streams one answer per domain with DSpark and times target-only on the same prompt.
 demo: setup
 	@[ -f build/engines/manifest.json ] || $(PY) -m dspark.cli engines --drafter dspark --out build/engines
 	$(PY) -m dspark.cli demo --engines build/engines
@@ -60,6 +61,22 @@ BUCKETS ?= 1,2,4,8,16
 MAX_CONTEXT ?= 2048
 engines: setup
 	$(PY) -m dspark.cli engines --drafter dspark --out build/engines --buckets $(BUCKETS) --max-context $(MAX_CONTEXT)
+
+# Serving (issue 5) and performance (issue 6). `make serve` runs until Ctrl-C / SIGTERM.
+serve: setup
+	@[ -f build/engines/manifest.json ] || $(MAKE) engines
+	$(PY) -m dspark.cli serve --engines build/engines
+
+# SPS(B) through perf_analyzer on the target's probe entry → perf/results/sps.json + sps.png
+sps: setup
+	@[ -f build/engines/manifest.json ] || $(MAKE) engines
+	$(PY) -m dspark.cli sps --engines build/engines
+
+# Concurrency × mode sweep of streaming clients → perf/results/bench.{json,csv} + plots
+BENCH_TOKENS ?= 64
+bench: setup
+	@[ -f build/engines/manifest.json ] || $(MAKE) engines
+	$(PY) -m dspark.cli bench --engines build/engines --max-tokens $(BENCH_TOKENS)
 
 lint: setup
 	$(PY) -m ruff check dspark export engines orchestrator model_repository perf tests

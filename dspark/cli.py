@@ -533,11 +533,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from engines.cli import add_parser as add_engines
     from orchestrator.cli import add_parsers as add_serving
+    from perf.bench import add_parser as add_bench
     from perf.sps import add_parser as add_sps
 
     add_engines(sub)
     add_serving(sub)
     add_sps(sub)
+    add_bench(sub)
     return p
 
 

@@ -355,3 +355,40 @@ def test_sigterm_stops_the_server_cleanly_and_a_restart_serves_again(tiny, serve
     plain = generate(TargetRunner(target, 1, 96), [Request(prompt, 12, stop_ids=frozenset({0}))])[0]
     res = _stream(f"127.0.0.1:{server.grpc_port}", [_ids_request(prompt, 12, "dspark", "again")])
     assert res["again"]["error"] is None and res["again"]["tokens"] == plain.tokens
+
+
+def test_perf_analyzer_measures_the_probe_entry(server, tmp_path):
+    from perf.sps import measure_point, parse_csv
+
+    url = f"127.0.0.1:{server.grpc_port}"
+    pts = [measure_point(url, b, 16, tmp_path, request_count=20, vocab=TINY.vocab_size) for b in (1, 8)]
+    for p in pts:
+        assert p["steps_per_second"] > 0 and p["client_steps_per_second"] > 0
+        assert p["compute_infer_us"] < p["p50_us"]  # the server's part of a request is inside its latency
+    rows = parse_csv(tmp_path / "probe_b8_l16.csv")
+    assert rows[0]["Concurrency"] == 1
+    _settled(server)
+
+
+def test_bench_sweeps_modes_and_writes_the_result_schema(tiny, server, tmp_path):
+    import json as _json
+
+    from perf.bench import run_bench
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"input_ids": torch.randint(1, TINY.vocab_size, (5,), generator=g).tolist()} for _ in range(4)]
+    out = tmp_path / "bench.json"
+    url, metrics = f"127.0.0.1:{server.grpc_port}", f"http://127.0.0.1:{server.metrics_port}/metrics"
+    modes = ["off", "static:3", "dspark-skip"]
+    run_bench(url, modes, [1, 2], prompts, 16, 2, 60.0, out, metrics, server.proc.pid, log=lambda s: None)
+    res = _json.loads(out.read_text())
+    assert len(res["runs"]) == 6 and res["machine"] and res["date"]
+    for r in res["runs"]:
+        for key in ("mode", "concurrency", "per_user_tps", "aggregate_tps", "ttft_ms_p50", "itl_ms_p50"):
+            assert r[key] is not None, key
+        assert r["errors"] == 0 and r["requests"] >= 2 and r["tokens"] > 0 and r["peak_rss_mb"] > 0
+        assert 0.0 <= r["overhead"] < 1.0
+        assert (r["mean_verify_len"] == 0) == (r["mode"] == "off")
+    assert "c1_dspark_aggregate_vs_best_fixed" not in res["goals"]  # no dspark cell in this sweep
+    assert (tmp_path / "bench.csv").exists() and (tmp_path / "bench_pareto.png").exists()
+    _settled(server)

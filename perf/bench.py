@@ -1,0 +1,423 @@
+"""`dspark bench` / `make bench`: streaming clients against the real server, every mode side by side.
+
+For each mode (off, static:1, static:3, static:7, threshold:0.5, dspark, dspark-async,
+dspark-skip) and each concurrency c ∈ {1, 2, 4, 8, 16, 32}, c client threads stream greedy
+answers to prompts from ../shared/data/eval (gsm8k-test, humaneval, mt-bench in turn) through
+gRPC, each until its share of the cell's requests is done or the cell's time limit passes.
+All cells run against one server started here (or `--url`), so the ratios are side by side.
+
+Reported per cell (perf/results/bench.json + .csv):
+  per_user_tps     mean over requests of new tokens / (request sent → last token)
+  aggregate_tps    all new tokens / wall time of the cell
+  ttft_ms_p50, itl_ms_p50, itl_ms_p99   (ITL: gaps between streamed responses, spread over
+                   the tokens each carried)
+  tau              committed tokens per round (server stats), mean_verify_len: drafts verified
+                   per round (ℓ, 0 for off)
+  peak_rss_mb      peak resident memory of the whole server process group during the cell
+  overhead         1 − model execution time / engine step wall time, from the server's own
+                   counters: Triton's compute (input + infer + output) of target,
+                   drafter_backbone and drafter_head over dspark_engine_step_seconds_total —
+                   i.e. the share of a round spent in BLS transport, Python, scheduling, sampling
+Plots: bench_pareto.png (per-user vs aggregate tok/s, a line per mode) and bench_verify_len.png
+(mean ℓ vs concurrency). `goals` in the JSON evaluates the issue's ratios on this run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import threading
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = ["off", "static:1", "static:3", "static:7", "threshold:0.5", "dspark", "dspark-async", "dspark-skip"]
+CONCURRENCY = [1, 2, 4, 8, 16, 32]
+SETS = ["gsm8k-test", "humaneval", "mt-bench"]
+MODELS = ["target", "drafter_backbone", "drafter_head"]
+
+
+def eval_prompts(n: int) -> list[dict]:
+    """n prompts, round-robin over the three eval sets (first turns)."""
+    from dspark.cli import shared_dir
+
+    per = {}
+    for s in SETS:
+        with (shared_dir() / "data" / "eval" / f"{s}.jsonl").open() as f:
+            per[s] = [json.loads(line)["turns"][0] for line in f]
+    return [{"text": per[SETS[i % 3]][(i // 3) % len(per[SETS[i % 3]])]} for i in range(n)]
+
+
+class RssMonitor:
+    """Peak summed RSS of a process group (the server and its python-backend stubs)."""
+
+    def __init__(self, pgid: int | None, period: float = 0.25) -> None:
+        self.pgid, self.period, self.peak = pgid, period, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> float:
+        total = 0
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                stat = (d / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[2]) != self.pgid:
+                    continue
+                for line in (d / "status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+        return total / 1024.0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.sample())
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> RssMonitor:
+        if self.pgid is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2)
+
+
+def server_counters(url: str, metrics_url: str | None) -> dict:
+    """Model compute seconds (Triton statistics) and engine step seconds (our metrics)."""
+    import tritonclient.grpc as grpcclient
+
+    from orchestrator.metrics import parse_prometheus
+
+    out = {"model_seconds": 0.0}
+    c = grpcclient.InferenceServerClient(url)
+    try:
+        for m in MODELS:
+            try:
+                st = c.get_inference_statistics(model_name=m, as_json=True)
+            except Exception:  # noqa: BLE001 - a model not loaded (target-only server)
+                continue
+            for ms in st.get("model_stats", []):
+                inf = ms.get("inference_stats", {})
+                for part in ("compute_input", "compute_infer", "compute_output"):
+                    out["model_seconds"] += int(inf.get(part, {}).get("ns", 0)) / 1e9
+    finally:
+        c.close()
+    if metrics_url:
+        with urllib.request.urlopen(metrics_url, timeout=5) as r:
+            m = parse_prometheus(r.read().decode())
+        out["step_seconds"] = m.get('dspark_engine_step_seconds_total{model="dspark"}', 0.0)
+        out["steps"] = m.get('dspark_engine_steps_total{model="dspark"}', 0.0)
+    return out
+
+
+def run_cell(
+    url: str,
+    mode: str,
+    concurrency: int,
+    prompts: list[dict],
+    max_tokens: int,
+    requests: int,
+    time_limit: float,
+    metrics_url: str | None = None,
+    pgid: int | None = None,
+) -> dict:
+    """One (mode, concurrency) cell: `requests` requests over `concurrency` clients, bounded
+    by `time_limit` seconds (no new request starts after it)."""
+    from orchestrator.client import ClientError, stream_generate
+
+    gens, errors, lock = [], [], threading.Lock()
+    deadline = time.monotonic() + time_limit
+    counter = iter(range(requests))
+
+    def client():
+        while time.monotonic() < deadline:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            p = prompts[i % len(prompts)]
+            try:
+                g = stream_generate(
+                    url, text=p.get("text"), input_ids=p.get("input_ids"), max_tokens=max_tokens,
+                    mode=mode, timeout=max(time_limit, 60),
+                )  # fmt: skip
+                with lock:
+                    gens.append(g)
+            except ClientError as e:
+                with lock:
+                    errors.append(str(e))
+
+    before = server_counters(url, metrics_url)
+    t0 = time.perf_counter()
+    with RssMonitor(pgid) as rss:
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(time_limit + 120)
+    wall = time.perf_counter() - t0
+    after = server_counters(url, metrics_url)
+    return summarize(mode, concurrency, gens, errors, wall, before, after, rss.peak if pgid else None)
+
+
+def summarize(mode, concurrency, gens, errors, wall, before, after, peak_rss) -> dict:
+    tokens = sum(len(g.token_ids) for g in gens)
+    itl = [x for g in gens for x in g.itl()]
+    ttft = [g.ttft for g in gens if g.ttft is not None]
+    st = [g.stats or {} for g in gens]
+    rounds = sum(s.get("rounds", 0) for s in st)
+    step_s = after.get("step_seconds", 0.0) - before.get("step_seconds", 0.0)
+    steps = after.get("steps", 0.0) - before.get("steps", 0.0)
+    model_s = after["model_seconds"] - before["model_seconds"]
+
+    def pct(xs, q):
+        return float(np.percentile(xs, q) * 1e3) if xs else None
+
+    return {
+        "mode": mode,
+        "concurrency": concurrency,
+        "requests": len(gens),
+        "errors": len(errors),
+        "error_sample": errors[:2],
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "per_user_tps": float(np.mean([len(g.token_ids) / g.seconds for g in gens if g.seconds > 0]))
+        if gens
+        else 0.0,
+        "aggregate_tps": tokens / wall if wall > 0 else 0.0,
+        "ttft_ms_p50": pct(ttft, 50),
+        "itl_ms_p50": pct(itl, 50),
+        "itl_ms_p99": pct(itl, 99),
+        "tau": sum(s.get("committed_tokens", 0) for s in st) / rounds if rounds else None,
+        "mean_verify_len": sum(s.get("proposed_tokens", 0) for s in st) / rounds if rounds else None,
+        "peak_rss_mb": round(peak_rss, 1) if peak_rss else None,
+        "step_ms": 1e3 * step_s / steps if steps else None,
+        "model_ms_per_step": 1e3 * model_s / steps if steps else None,
+        "overhead": 1.0 - model_s / step_s if step_s > 0 else None,
+    }
+
+
+def goals(runs: list[dict]) -> dict:
+    """The issue's goals, evaluated on this run (ratios of cells measured side by side)."""
+    by = {(r["mode"], r["concurrency"]): r for r in runs}
+    conc = sorted({r["concurrency"] for r in runs})
+    out = {}
+    if ("dspark", 1) in by and ("off", 1) in by and by[("off", 1)]["per_user_tps"]:
+        out["c1_dspark_per_user_vs_off"] = by[("dspark", 1)]["per_user_tps"] / by[("off", 1)]["per_user_tps"]
+    fixed = [m for m in {r["mode"] for r in runs} if m == "off" or m.startswith("static:")]
+    worst = None
+    for c in conc:
+        if ("dspark", c) not in by:
+            continue
+        best = max((by[(m, c)]["aggregate_tps"] for m in fixed if (m, c) in by), default=None)
+        if best:
+            ratio = by[("dspark", c)]["aggregate_tps"] / best
+            out[f"c{c}_dspark_aggregate_vs_best_fixed"] = ratio
+            worst = ratio if worst is None else min(worst, ratio)
+        if c >= 16 and ("static:7", c) in by and by[("static:7", c)]["aggregate_tps"]:
+            out[f"c{c}_dspark_aggregate_vs_static7"] = (
+                by[("dspark", c)]["aggregate_tps"] / by[("static:7", c)]["aggregate_tps"]
+            )
+    if worst is not None:
+        out["min_dspark_aggregate_vs_best_fixed"] = worst
+    if ("dspark", 1) in by and by[("dspark", 1)]["overhead"] is not None:
+        out["c1_dspark_orchestrator_overhead"] = by[("dspark", 1)]["overhead"]
+    return out
+
+
+def plot(result: dict, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    modes = [m for m in MODES if any(r["mode"] == m for r in runs)]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for m in modes:
+        rs = sorted((r for r in runs if r["mode"] == m), key=lambda r: r["concurrency"])
+        ax.plot([r["aggregate_tps"] for r in rs], [r["per_user_tps"] for r in rs], marker="o", ms=3, label=m)
+        for r in rs:
+            ax.annotate(str(r["concurrency"]), (r["aggregate_tps"], r["per_user_tps"]), fontsize=6)
+    ax.set_xlabel("aggregate tokens/s")
+    ax.set_ylabel("per-user tokens/s")
+    ax.set_title(
+        f"Pareto: concurrency sweep (labels = clients)\n{result['machine']} · {result['date']}", fontsize=8
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p1 = folder / "bench_pareto.png"
+    fig.savefig(p1, dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in modes:
+        rs = sorted(
+            (r for r in runs if r["mode"] == m and r["mean_verify_len"] is not None),
+            key=lambda r: r["concurrency"],
+        )
+        ax.plot([r["concurrency"] for r in rs], [r["mean_verify_len"] for r in rs], marker="o", ms=3, label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("mean verification length ℓ per round")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p2 = folder / "bench_verify_len.png"
+    fig.savefig(p2, dpi=110)
+    plt.close(fig)
+    return [p1, p2]
+
+
+COLUMNS = [
+    "mode", "concurrency", "per_user_tps", "aggregate_tps", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99",
+    "tau", "mean_verify_len", "peak_rss_mb", "overhead", "step_ms", "model_ms_per_step", "requests",
+    "errors", "tokens", "wall_s",
+]  # fmt: skip
+
+
+def write(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    with out.with_suffix(".csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(result["runs"])
+
+
+def run_bench(
+    url: str,
+    modes: list[str],
+    concurrencies: list[int],
+    prompts: list[dict],
+    max_tokens: int,
+    min_requests: int,
+    time_limit: float,
+    out: Path | None,
+    metrics_url: str | None = None,
+    pgid: int | None = None,
+    meta: dict | None = None,
+    log=print,
+) -> dict:
+    from tqdm import tqdm
+
+    from orchestrator.client import stream_generate
+    from perf.sps import machine
+
+    for m in modes:  # warm every path once (first-call costs are not what users see)
+        first = prompts[0]
+        stream_generate(url, text=first.get("text"), input_ids=first.get("input_ids"), max_tokens=4, mode=m)
+    result = {
+        "runs": [],
+        "machine": machine(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "settings": {
+            "max_tokens": max_tokens,
+            "requests_per_cell": f"max({min_requests}, 2 × concurrency)",
+            "time_limit_s": time_limit,
+            "greedy": True,
+            **(meta or {}),
+        },
+    }
+    cells = [(c, m) for c in concurrencies for m in modes]  # modes side by side at each concurrency
+    with tqdm(total=len(cells), unit="cell", desc="bench") as bar:
+        for c, m in cells:
+            r = run_cell(
+                url, m, c, prompts, max_tokens, max(min_requests, 2 * c), time_limit, metrics_url, pgid
+            )
+            result["runs"].append(r)
+            bar.set_postfix(mode=m, c=c, agg=f"{r['aggregate_tps']:.1f}", user=f"{r['per_user_tps']:.1f}")
+            bar.update()
+            if out is not None:  # partial results survive an interruption
+                result["goals"] = goals(result["runs"])
+                write(result, out)
+    result["goals"] = goals(result["runs"])
+    if out is not None:
+        write(result, out)
+        plots = plot(result, out.parent)
+        log(f"[bench] wrote {out}, {out.with_suffix('.csv')}, " + ", ".join(map(str, plots)))
+    return result
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser(
+        "bench", help="concurrency × mode sweep of streaming clients → perf/results/bench.json"
+    )
+    b.add_argument("--engines", default="build/engines", help="a `make engines` build folder")
+    b.add_argument(
+        "--url", default=None, help="use a running server (gRPC HOST:PORT) instead of starting one"
+    )
+    b.add_argument("--modes", default=",".join(MODES))
+    b.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument(
+        "--min-requests", type=int, default=3, help="requests per cell: max(this, 2 × concurrency)"
+    )
+    b.add_argument(
+        "--time-limit", type=float, default=120.0, help="seconds per cell before no new request starts"
+    )
+    b.add_argument(
+        "--sps", default="perf/results/sps.json", help="SPS table for the server (else a quick probe)"
+    )
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--out", default="perf/results/bench.json")
+    b.set_defaults(fn=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    import sys
+
+    from orchestrator.cli import _target_dir
+    from orchestrator.repository import render
+    from orchestrator.server import Server, ServerError, free_port
+
+    modes = args.modes.split(",")
+    conc = [int(x) for x in args.concurrency.split(",")]
+    prompts = eval_prompts(60)
+    out = Path(args.out)
+    if args.url:
+        run_bench(args.url, modes, conc, prompts, args.max_tokens, args.min_requests, args.time_limit, out)
+        return 0
+    engines = Path(args.engines)
+    if not (engines / "manifest.json").exists():
+        print(f"error: no engines in {engines}: run `make engines` first", file=sys.stderr)
+        return 2
+    sps = Path(args.sps)
+    repo = REPO / "build" / "bench_repository"
+    models = render(
+        "cpu", repo, engines, _target_dir("smollm2-135m-instruct"), num_slots=max(conc), max_len=1024,
+        threads=args.threads, max_queue=4 * max(conc), sps_path=str(sps.resolve()) if sps.exists() else "",
+    )  # fmt: skip
+    server = Server(
+        repo, models, free_port(), free_port(), free_port(), log_path=REPO / "build" / "logs" / "bench.log"
+    )
+    try:
+        server.start()
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        meta = {
+            "sps_table": str(sps) if sps.exists() else "quick startup probe",
+            "slots": max(conc),
+            "threads": args.threads,
+            "engines": str(engines),
+            "command": "dspark bench " + " ".join(sys.argv[2:]),
+            "cpu_count": os.cpu_count(),
+        }
+        run_bench(
+            f"127.0.0.1:{server.grpc_port}", modes, conc, prompts, args.max_tokens, args.min_requests,
+            args.time_limit, out, f"http://127.0.0.1:{server.metrics_port}/metrics", server.proc.pid, meta,
+        )  # fmt: skip
+    finally:
+        server.stop()
+    return 0
