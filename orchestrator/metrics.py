@@ -18,6 +18,8 @@ Families (all prefixed `dspark_`):
   drafter_available                  gauge: 1 while drafting, 0 during a fallback to target-only
   fallback_events_total{reason}      drafter failures that switched requests to target-only
   skipped_drafts_total               dspark-skip: request-rounds that decided not to draft
+  engine_steps_total / engine_step_seconds_total        busy engine steps and their wall time
+  bls_calls_total{model_called} / bls_seconds_total{model_called}   BLS calls and time inside them
   calibration_predicted_survival{position} / calibration_realized_survival{position}
                                      running means over verified positions: the calibrated
                                      prefix survival the scheduler used vs what happened
@@ -180,6 +182,8 @@ DESCRIPTIONS = {
     "sps_table": "The SPS table in use (label source)",
     "skipped_drafts_total": "Request-rounds where dspark-skip decided drafting would not pay",
     "engine_steps_total": "Engine steps that ran at least one request",
+    "bls_calls_total": "BLS calls from the orchestrator, per called model",
+    "bls_seconds_total": "Seconds inside BLS calls (transport + the model's execution), per called model",
     "engine_step_seconds_total": "Wall time of those engine steps (model calls + everything else)",
 }
 

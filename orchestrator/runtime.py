@@ -87,9 +87,26 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
     from orchestrator.serving import Orchestrator
     from orchestrator.text import ChatTokenizer
 
+    import torch
+
+    # The orchestrator's tensors are small (sampling, verification); one thread, so that no idle
+    # OpenMP pool spins on the cores the target model's process needs while a BLS call runs.
+    torch.set_num_threads(1)
     cfg = _target_cfg(params)
     eng = Path(params["engines_dir"])
     slots, max_len = int(params["num_slots"]), int(params["max_len"])
+    bls_time: dict[str, list] = {}
+    raw_call = call
+
+    def call(model, inputs, outputs):  # noqa: F811 - the timed transport
+        t0 = time.perf_counter()
+        try:
+            return raw_call(model, inputs, outputs)
+        finally:
+            acc = bls_time.setdefault(model, [0, 0.0])
+            acc[0] += 1
+            acc[1] += time.perf_counter() - t0
+
     tok = ChatTokenizer(Path(params["target_dir"])) if params.get("target_dir") else None
 
     def chat_ids(text: str) -> list[int]:
@@ -137,8 +154,9 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
         default_mode=params.get("default_mode", "dspark") if drafter is not None else "off",
     )
     orch = Orchestrator(engine, limits, chat_ids, decode, sps)
+    orch.bls_time = bls_time  # model → [calls, seconds], published by the engine thread
     if sps is None:
-        orch.on_start = lambda: _quick_sps(orch, call)
+        orch.on_start = lambda: _quick_sps(orch, raw_call)
     return orch
 
 

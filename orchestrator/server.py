@@ -116,6 +116,9 @@ class Server:
         libs = pytriton_root().parent.parent / "nvidia_pytriton.libs"
         env["LD_LIBRARY_PATH"] = str(libs) + os.pathsep + env.get("LD_LIBRARY_PATH", "")
         env["PYTHONUNBUFFERED"] = "1"
+        # the python-backend stubs are separate processes taking turns on the same cores (BLS is
+        # synchronous): OpenMP threads must sleep, not spin, when their process waits
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         return env
 
     def start(self, timeout: float = 120.0) -> Server:

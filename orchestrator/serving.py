@@ -132,6 +132,8 @@ class Orchestrator:
         self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
         self._senders: dict[int, object] = {}
         self.rounds = 0
+        self.bls_time: dict[str, list] = {}  # model → [calls, seconds] (runtime.make_orchestrator fills it)
+        self._bls_sent: dict[str, tuple] = {}
         self.on_start = None  # run first on the engine thread (e.g. measure SPS through BLS)
 
     def start(self) -> Orchestrator:
@@ -158,6 +160,13 @@ class Orchestrator:
         with self._wake:
             self._inbox.append((req, mode, stop, stream, sender))
             self._wake.notify_all()
+
+    def _publish_bls(self) -> None:
+        for model, (n, secs) in list(self.bls_time.items()):
+            n0, s0 = self._bls_sent.get(model, (0, 0.0))
+            self.engine.metrics.inc("bls_calls_total", n - n0, model_called=model)
+            self.engine.metrics.inc("bls_seconds_total", secs - s0, model_called=model)
+            self._bls_sent[model] = (n, secs)
 
     def _loop(self) -> None:
         started = False
@@ -201,6 +210,7 @@ class Orchestrator:
                 if busy:  # model calls + everything else; the benchmark splits the two
                     self.engine.metrics.inc("engine_steps_total")
                     self.engine.metrics.inc("engine_step_seconds_total", time.perf_counter() - t0)
+                    self._publish_bls()
             except Exception:  # the engine isolates request failures; this is a last resort
                 log.exception("engine step failed")
                 time.sleep(0.1)

@@ -17,7 +17,9 @@ Reported per cell (perf/results/bench.json + .csv):
   overhead         1 − model execution time / engine step wall time, from the server's own
                    counters: Triton's compute (input + infer + output) of target,
                    drafter_backbone and drafter_head over dspark_engine_step_seconds_total —
-                   i.e. the share of a round spent in BLS transport, Python, scheduling, sampling
+                   i.e. the share of a round spent in BLS transport, Python, scheduling, sampling;
+                   split per step into model_ms, bls_transport_ms (time inside BLS calls minus
+                   the models' compute) and python_ms (everything outside BLS calls)
 Plots: bench_pareto.png (per-user vs aggregate tok/s, a line per mode) and bench_verify_len.png
 (mean ℓ vs concurrency). `goals` in the JSON evaluates the issue's ratios on this run.
 """
@@ -118,6 +120,8 @@ def server_counters(url: str, metrics_url: str | None) -> dict:
             m = parse_prometheus(r.read().decode())
         out["step_seconds"] = m.get('dspark_engine_step_seconds_total{model="dspark"}', 0.0)
         out["steps"] = m.get('dspark_engine_steps_total{model="dspark"}', 0.0)
+        out["bls_seconds"] = sum(v for k, v in m.items() if k.startswith("dspark_bls_seconds_total"))
+        out["bls_calls"] = sum(v for k, v in m.items() if k.startswith("dspark_bls_calls_total"))
     return out
 
 
@@ -180,6 +184,8 @@ def summarize(mode, concurrency, gens, errors, wall, before, after, peak_rss) ->
     step_s = after.get("step_seconds", 0.0) - before.get("step_seconds", 0.0)
     steps = after.get("steps", 0.0) - before.get("steps", 0.0)
     model_s = after["model_seconds"] - before["model_seconds"]
+    bls_s = after.get("bls_seconds", 0.0) - before.get("bls_seconds", 0.0)
+    bls_n = after.get("bls_calls", 0.0) - before.get("bls_calls", 0.0)
 
     def pct(xs, q):
         return float(np.percentile(xs, q) * 1e3) if xs else None
@@ -205,6 +211,9 @@ def summarize(mode, concurrency, gens, errors, wall, before, after, peak_rss) ->
         "step_ms": 1e3 * step_s / steps if steps else None,
         "model_ms_per_step": 1e3 * model_s / steps if steps else None,
         "overhead": 1.0 - model_s / step_s if step_s > 0 else None,
+        "bls_calls_per_step": bls_n / steps if steps else None,
+        "bls_transport_ms_per_step": 1e3 * (bls_s - model_s) / steps if steps else None,
+        "python_ms_per_step": 1e3 * (step_s - bls_s) / steps if steps else None,
     }
 
 
@@ -280,7 +289,8 @@ def plot(result: dict, folder: Path) -> list[Path]:
 
 COLUMNS = [
     "mode", "concurrency", "per_user_tps", "aggregate_tps", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99",
-    "tau", "mean_verify_len", "peak_rss_mb", "overhead", "step_ms", "model_ms_per_step", "requests",
+    "tau", "mean_verify_len", "peak_rss_mb", "overhead", "step_ms", "model_ms_per_step",
+    "bls_transport_ms_per_step", "python_ms_per_step", "bls_calls_per_step", "requests",
     "errors", "tokens", "wall_s",
 ]  # fmt: skip
 
