@@ -83,3 +83,15 @@ def test_concurrent_sampled_streams_equal_their_solo_outputs(real_server):
     assert m['dspark_active_sequences{model="dspark"}'] == 0
     assert m['dspark_free_slots{model="dspark"}'] == SLOTS
     assert m["dspark_target_sequences"] == 0 and m["dspark_drafter_backbone_sequences"] == 0
+
+
+def test_the_readme_python_client_runs_against_the_server(real_server, capsys):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "tritonclient.grpc" in b)
+    exec(compile(code.replace("127.0.0.1:8001", f"127.0.0.1:{real_server.grpc_port}"), "README", "exec"), {})
+    out = capsys.readouterr().out
+    assert "stats:" in out and '"tau"' in out and "error:" not in out
+    assert len(out.split("stats:")[0].strip()) > 0  # some text streamed before the stats
