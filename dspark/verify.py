@@ -56,8 +56,10 @@ def chain_verify(
         bonus = sample(target_probs[:, 0], u[:, 0])
         return Verdict(torch.zeros(R, dtype=torch.long), bonus)
     idx = draft_tokens.unsqueeze(-1)
-    p_at_x = target_probs[:, :gamma].double().gather(-1, idx).squeeze(-1)  # p_{k-1}(x_k)
-    q_at_x = draft_probs.double().gather(-1, idx).squeeze(-1)  # q_k(x_k)
+    # gather first, then widen: the same numbers as widening [R, γ, V] first, without
+    # converting whole vocabularies every round
+    p_at_x = target_probs[:, :gamma].gather(-1, idx).squeeze(-1).double()  # p_{k-1}(x_k)
+    q_at_x = draft_probs.gather(-1, idx).squeeze(-1).double()  # q_k(x_k)
     # u < p/q without dividing: a draft with q = 0 could not have been sampled
     ok = u[:, :gamma].double() * q_at_x < p_at_x
     in_range = torch.arange(gamma).unsqueeze(0) < lengths.unsqueeze(1)

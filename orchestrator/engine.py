@@ -158,6 +158,7 @@ class Engine:
         self.active: list[_Entry] = []
         self._policies: dict[str, object] = {}
         self._next = 0
+        self._steps = 0
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -199,6 +200,7 @@ class Engine:
 
     def step(self) -> None:
         """Admit what fits, run one round for every active request, deliver, release."""
+        self._steps += 1
         self._drop_cancelled()
         self._admit()
         groups: dict[str, list[_Entry]] = {}
@@ -237,7 +239,7 @@ class Engine:
         self._deliver()
         self.metrics.occupancy(len(self.active), len(self.queue), self._free_slots())
 
-    SKIP_REFRESH = 4  # a request that skipped this many rounds in a row drafts again (fresh confidences)
+    SKIP_REFRESH = 4  # requests that skipped this many rounds draft again (fresh confidences) together
 
     def _plan_drafting(self, policy, entries: list[_Entry]) -> np.ndarray:
         """dspark-skip: which requests draft this round, from stale confidences only."""
@@ -247,7 +249,10 @@ class Engine:
             if e.live.conf_history:
                 stale[r] = e.live.conf_history[-1]
         max_len = np.array([min(gamma, e.live.req.max_tokens - len(e.live.out) - 1) for e in entries])
-        forced = np.array([e.skipped >= self.SKIP_REFRESH for e in entries])
+        # refreshes are synchronised (every SKIP_REFRESH-th step for everyone due), so that the
+        # draft call they cost is paid once for all of them, not once per staggered request
+        refresh_step = self._steps % self.SKIP_REFRESH == 0
+        forced = np.array([refresh_step and e.skipped >= self.SKIP_REFRESH for e in entries])
         mask = policy.plan(stale, np.maximum(max_len, 0), self.drafter.seconds, forced)
         for e, m in zip(entries, mask):
             e.skipped = 0 if m else e.skipped + 1

@@ -431,3 +431,40 @@ def cmd_bench(args) -> int:
     finally:
         server.stop()
     return 0
+
+
+def markdown(result: dict) -> str:
+    """The sweep as markdown tables (docs/results.md): one table per concurrency."""
+    runs = result["runs"]
+    lines = []
+    for c in sorted({r["concurrency"] for r in runs}):
+        lines += [
+            f"\n**{c} concurrent client{'s' if c > 1 else ''}**\n",
+            "| mode | per-user tok/s | aggregate tok/s | TTFT p50 ms | ITL p50 / p99 ms | τ | mean ℓ "
+            "| overhead | step ms (model / BLS / Python) | peak RSS MB |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in (r for r in runs if r["concurrency"] == c):
+            step = _fmt(r.get("step_ms"), "{:.0f}")
+            parts = "/".join(
+                _fmt(r.get(k), "{:.0f}")
+                for k in ("model_ms_per_step", "bls_transport_ms_per_step", "python_ms_per_step")
+            )
+            cells = [
+                r["mode"],
+                _fmt(r["per_user_tps"]),
+                _fmt(r["aggregate_tps"]),
+                _fmt(r["ttft_ms_p50"], "{:.0f}"),
+                _fmt(r["itl_ms_p50"], "{:.0f}") + " / " + _fmt(r["itl_ms_p99"], "{:.0f}"),
+                _fmt(r["tau"], "{:.2f}"),
+                _fmt(r["mean_verify_len"], "{:.2f}"),
+                _fmt(r["overhead"], "{:.0%}"),
+                f"{step} ({parts})",
+                _fmt(r["peak_rss_mb"], "{:.0f}"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(v, fmt="{:.1f}") -> str:
+    return "–" if v is None else fmt.format(v)

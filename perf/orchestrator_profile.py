@@ -41,7 +41,9 @@ def main() -> None:
         "threads": str(args.threads),
         "runtime": "onnxruntime",
     }
-    services = {k: make_service({**params, "service": k}) for k in ("target", "drafter_backbone", "drafter_head")}
+    services = {
+        k: make_service({**params, "service": k}) for k in ("target", "drafter_backbone", "drafter_head")
+    }
     model_time = {k: 0.0 for k in services}
 
     def call(model, inputs, outputs):
