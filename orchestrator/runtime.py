@@ -77,6 +77,8 @@ def measure_sps(call, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeat
 
 
 def make_orchestrator(params: dict, call, metrics_backend=None):
+    import torch
+
     from dspark.calibration import STS
     from dspark.scheduler import SPSTable
     from orchestrator.bls import RemoteDrafter, RemoteTarget
@@ -86,8 +88,6 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
     from orchestrator.services import RequestError
     from orchestrator.serving import Orchestrator
     from orchestrator.text import ChatTokenizer
-
-    import torch
 
     # The orchestrator's tensors are small (sampling, verification); one thread, so that no idle
     # OpenMP pool spins on the cores the target model's process needs while a BLS call runs.
