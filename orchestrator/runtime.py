@@ -77,8 +77,6 @@ def measure_sps(call, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeat
 
 
 def make_orchestrator(params: dict, call, metrics_backend=None):
-    import torch
-
     from dspark.calibration import STS
     from dspark.scheduler import SPSTable
     from orchestrator.bls import RemoteDrafter, RemoteTarget
@@ -89,19 +87,15 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
     from orchestrator.serving import Orchestrator
     from orchestrator.text import ChatTokenizer
 
-    # The orchestrator's tensors are small (sampling, verification); one thread, so that no idle
-    # OpenMP pool spins on the cores the target model's process needs while a BLS call runs.
-    torch.set_num_threads(1)
     cfg = _target_cfg(params)
     eng = Path(params["engines_dir"])
     slots, max_len = int(params["num_slots"]), int(params["max_len"])
     bls_time: dict[str, list] = {}
-    raw_call = call
 
-    def call(model, inputs, outputs):  # noqa: F811 - the timed transport
+    def timed_call(model, inputs, outputs):  # the transport, timed per called model
         t0 = time.perf_counter()
         try:
-            return raw_call(model, inputs, outputs)
+            return call(model, inputs, outputs)
         finally:
             acc = bls_time.setdefault(model, [0, 0.0])
             acc[0] += 1
@@ -121,7 +115,7 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
     meta_path = eng / "drafter_meta.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        drafter = RemoteDrafter(call, meta, slots)
+        drafter = RemoteDrafter(timed_call, meta, slots)
         sts = STS.from_dict(meta["sts"]) if meta.get("sts") else None
         max_len = min(max_len, int(meta["max_context"]))
     sps_path = params.get("sps_path", "")
@@ -130,7 +124,7 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
         if sps_path and Path(sps_path).exists()
         else None
     )
-    target = RemoteTarget(call, cfg.vocab_size, slots, max_len)
+    target = RemoteTarget(timed_call, cfg.vocab_size, slots, max_len)
     gamma = drafter.block_size if drafter is not None else 7
     metrics = ServingMetrics(gamma, metrics_backend, {"model": "dspark"})
     metrics.set_gauge("sps_table", 1.0, source="file" if sps is not None else "none")
@@ -156,7 +150,7 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
     orch = Orchestrator(engine, limits, chat_ids, decode, sps)
     orch.bls_time = bls_time  # model → [calls, seconds], published by the engine thread
     if sps is None:
-        orch.on_start = lambda: _quick_sps(orch, raw_call)
+        orch.on_start = lambda: _quick_sps(orch, call)
     return orch
 
 

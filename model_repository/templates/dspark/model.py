@@ -47,9 +47,14 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         sys.path.insert(0, params["code_root"])
+        import torch
+
         from orchestrator.metrics import TritonMetricsBackend
         from orchestrator.runtime import make_orchestrator
 
+        # the orchestrator's tensors are small (sampling, verification): one thread, so that no
+        # idle OpenMP pool spins on the cores the target model's process needs during a BLS call
+        torch.set_num_threads(1)
         self.inputs = [i["name"] for i in config["input"]]
         self.orchestrator = make_orchestrator(params, _bls, TritonMetricsBackend(pb_utils)).start()
 
