@@ -342,18 +342,15 @@ def sample_block(head_step, U, h, prev, draft_vocab, vocab_size, params, gens) -
     as draft indices. Each request draws its γ uniforms first, in slot order."""
     R, G = U.shape[0], U.shape[1]
     us = torch.stack([uniforms(g, G) for g in gens])
-    tokens = torch.zeros(R, G, dtype=torch.long)
-    probs = torch.zeros(R, G, vocab_size)
+    index = torch.zeros(R, G, dtype=torch.long)
+    probs = torch.zeros(R, G, len(draft_vocab))  # q over the draft vocabulary; zero elsewhere
     conf = torch.zeros(R, G)
     state = None
     for k in range(G):
         z, c, state = head_step(U[:, k], h[:, k], prev, state)
         conf[:, k] = c.float()
-        nxt = torch.empty(R, dtype=torch.long)
         for r in range(R):
-            q = warp(z[r], params[r])  # over the draft vocabulary; zero elsewhere
-            probs[r, k, draft_vocab] = q
-            nxt[r] = sample(q, us[r, k])
-        tokens[:, k] = draft_vocab[nxt]
-        prev = nxt
-    return Proposal(tokens, probs, conf)
+            probs[r, k] = warp(z[r], params[r])
+            index[r, k] = sample(probs[r, k], us[r, k])
+        prev = index[:, k]
+    return Proposal(draft_vocab[index], probs, conf, vocab=draft_vocab, index=index)

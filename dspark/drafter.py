@@ -28,9 +28,24 @@ from dspark.target import LlamaTarget, TargetRunner
 
 @dataclass
 class Proposal:
+    """A block of drafts per request. `probs` is q_k, the distribution x_k was sampled from:
+    over the full vocabulary [R, γ, V], or — when `vocab` is set — over the draft vocabulary
+    only ([R, γ, len(vocab)], zero elsewhere by construction), with `index` [R, γ] the position
+    of each x_k in `vocab`. The compact form saves materialising γ × V floats per request."""
+
     tokens: torch.Tensor  # [R, γ] int64, x_1..x_γ
-    probs: torch.Tensor  # [R, γ, V] float32, q_k: the distribution x_k was sampled from
+    probs: torch.Tensor  # [R, γ, V] (or [R, γ, Vd] with vocab) float32
     conf_logits: torch.Tensor  # [R, γ] raw confidence logits (before calibration)
+    vocab: torch.Tensor | None = None  # [Vd] int64 token ids of the draft vocabulary
+    index: torch.Tensor | None = None  # [R, γ] int64, tokens == vocab[index]
+
+    def dense_probs(self, vocab_size: int) -> torch.Tensor:
+        """q over the full vocabulary [R, γ, V] (zero outside the draft vocabulary)."""
+        if self.vocab is None:
+            return self.probs
+        out = self.probs.new_zeros(*self.probs.shape[:2], vocab_size)
+        out[..., self.vocab] = self.probs
+        return out
 
 
 class Drafter(ABC):

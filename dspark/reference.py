@@ -187,17 +187,22 @@ def _speculative_round(
     raw = np.zeros((R, gamma))
     drafts = torch.zeros(R, gamma, dtype=torch.long)
     probs = torch.zeros(R, gamma, 1)
+    vocab, index = None, None
     if len(rows):
         sub = [active[r] for r in rows]
         prop = drafter.propose(
             [s.rid for s in sub], [s.anchor for s in sub], [s.req.params for s in sub], [s.gen for s in sub]
         )
+        vocab = prop.vocab
         if len(rows) == R:
-            drafts, probs = prop.tokens, prop.probs
-        else:
+            drafts, probs, index = prop.tokens, prop.probs, prop.index
+        else:  # rows that do not draft verify nothing: their q is never read
             drafts[rows] = prop.tokens
             probs = prop.probs.new_zeros(R, gamma, prop.probs.shape[-1])
             probs[rows] = prop.probs
+            if vocab is not None:
+                index = torch.zeros(R, gamma, dtype=torch.long)
+                index[rows] = prop.index
         raw[rows] = prop.conf_logits.double().numpy()
     conf = calibration.apply(raw) if calibration is not None else 1.0 / (1.0 + np.exp(-raw))
     conf[~mask] = 0.0
@@ -222,7 +227,7 @@ def _speculative_round(
     if p.shape[1] < gamma + 1:  # every request verified fewer than γ drafts: pad the unused rows
         p = torch.cat([p, p[:, -1:].expand(R, gamma + 1 - p.shape[1], -1)], dim=1)
     u = torch.stack([uniforms(s.gen, gamma + 1) for s in active])
-    verdict = chain_verify(drafts, probs, p, torch.from_numpy(lengths), u)
+    verdict = chain_verify(drafts, probs, p, torch.from_numpy(lengths), u, vocab, index)
 
     for r, s in enumerate(active):
         n = int(verdict.accepted[r])

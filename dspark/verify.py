@@ -41,6 +41,8 @@ def chain_verify(
     target_probs: torch.Tensor,
     lengths: torch.Tensor,
     u: torch.Tensor,
+    draft_vocab: torch.Tensor | None = None,
+    draft_index: torch.Tensor | None = None,
 ) -> Verdict:
     """Verify a batch of draft blocks.
 
@@ -50,6 +52,9 @@ def chain_verify(
     lengths:      [R] int64, ℓ_r ∈ [0, γ].
     u:            [R, γ+1] uniforms in [0, 1): u[:, k-1] decides draft k, u[:, γ] samples the
                   correction/bonus token.
+    draft_vocab, draft_index: when set, draft_probs is [R, γ, Vd] over the token ids draft_vocab
+                  (q is zero elsewhere) and draft_tokens == draft_vocab[draft_index]
+                  (Proposal's compact form); the result is identical to the dense form.
     """
     R, gamma = draft_tokens.shape
     if gamma == 0:
@@ -59,7 +64,8 @@ def chain_verify(
     # gather first, then widen: the same numbers as widening [R, γ, V] first, without
     # converting whole vocabularies every round
     p_at_x = target_probs[:, :gamma].gather(-1, idx).squeeze(-1).double()  # p_{k-1}(x_k)
-    q_at_x = draft_probs.gather(-1, idx).squeeze(-1).double()  # q_k(x_k)
+    q_idx = idx if draft_vocab is None else draft_index.unsqueeze(-1)
+    q_at_x = draft_probs.gather(-1, q_idx).squeeze(-1).double()  # q_k(x_k)
     # u < p/q without dividing: a draft with q = 0 could not have been sampled
     ok = u[:, :gamma].double() * q_at_x < p_at_x
     in_range = torch.arange(gamma).unsqueeze(0) < lengths.unsqueeze(1)
@@ -70,6 +76,8 @@ def chain_verify(
     p_next = target_probs[rows, accepted].double()  # p_n: distribution after the last kept input
     rejected = accepted < lengths
     q_next = draft_probs[rows, accepted.clamp(max=gamma - 1)].double()
+    if draft_vocab is not None:  # back to the full vocabulary, for these R rows only
+        q_next = q_next.new_zeros(R, p_next.shape[-1]).index_copy_(1, draft_vocab, q_next)
     residual = torch.where(rejected.unsqueeze(-1), (p_next - q_next).clamp(min=0.0), p_next)
     no_mass = residual.sum(-1, keepdim=True) <= RESIDUAL_EPS
     dist = torch.where(no_mass, p_next, residual)

@@ -117,8 +117,8 @@ def test_negative_control_detects_a_correction_drawn_from_p_instead_of_the_resid
     from dspark.sampling import sample
     from dspark.verify import chain_verify
 
-    def lossy(draft_tokens, draft_probs, target_probs, lengths, u):
-        v = chain_verify(draft_tokens, draft_probs, target_probs, lengths, u)
+    def lossy(draft_tokens, draft_probs, target_probs, lengths, u, *compact_form):
+        v = chain_verify(draft_tokens, draft_probs, target_probs, lengths, u, *compact_form)
         v.next_token = sample(target_probs[np.arange(len(lengths)), v.accepted], u[:, -1])
         return v
 

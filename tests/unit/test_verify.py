@@ -102,3 +102,25 @@ def test_commit_never_exceeds_max_tokens():
     assert (c.tokens, c.finished) == ([4, 5], True)
     c = commit_tokens([4], accepted=1, next_token=8, stop_ids=frozenset(), remaining=2)
     assert (c.tokens, c.finished) == ([4, 8], True)
+
+
+def test_compact_draft_distributions_verify_exactly_like_dense_ones():
+    """Proposal's compact form (q over a draft vocabulary + indices) gives the same verdicts as
+    the same q scattered over the full vocabulary, for every row, length and uniform."""
+    from dspark.drafter import Proposal
+    from dspark.sampling import sample
+
+    g = torch.Generator().manual_seed(0)
+    R, G, V = 6, 5, 40
+    vocab = torch.randperm(V, generator=g)[:12]
+    for _ in range(20):
+        q = torch.softmax(torch.randn(R, G, len(vocab), generator=g) * 2, -1)
+        index = sample(q, torch.rand(R, G, generator=g))
+        prop = Proposal(vocab[index], q, torch.zeros(R, G), vocab=vocab, index=index)
+        p = torch.softmax(torch.randn(R, G + 1, V, generator=g) * 2, -1)
+        lengths = torch.randint(0, G + 1, (R,), generator=g)
+        u = torch.rand(R, G + 1, generator=g)
+        dense = chain_verify(prop.tokens, prop.dense_probs(V), p, lengths, u)
+        compact = chain_verify(prop.tokens, q, p, lengths, u, vocab, index)
+        assert torch.equal(dense.accepted, compact.accepted)
+        assert torch.equal(dense.next_token, compact.next_token)
