@@ -141,7 +141,7 @@ def server_demo(args: argparse.Namespace, prompts: list[tuple[str, str]]) -> int
     per domain in the chosen mode, time the same request with mode=off, stop the server."""
     from orchestrator.client import ClientError, stream_generate
     from orchestrator.repository import render, validate
-    from orchestrator.server import Server, ServerError, free_port
+    from orchestrator.server import Server, ServerError
 
     engines = Path(args.engines)
     repo = Path("build/demo_repository").resolve()
@@ -157,7 +157,7 @@ def server_demo(args: argparse.Namespace, prompts: list[tuple[str, str]]) -> int
         sps_path=str(sps.resolve()) if sps.exists() else "",
     )
     validate(repo)
-    server = Server(repo, models, free_port(), free_port(), free_port())
+    server = Server.on_free_ports(repo, models)
     print(
         f"[demo] starting tritonserver (models: {', '.join(models)}; log {server.log_path or 'build/logs'})"
     )

@@ -162,6 +162,11 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------
 
+    def set_sps(self, sps: SPSTable) -> None:
+        """Use a (newly measured) SPS table from now on; policies are rebuilt on next use."""
+        self.sps = sps
+        self._policies.clear()
+
     def policy(self, mode: str):
         """The policy object of a mode spec (raises ValueError naming the valid forms)."""
         if mode not in self._policies:

@@ -147,7 +147,7 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
         stop_ids=frozenset(cfg.eos_token_ids),
         default_mode=params.get("default_mode", "dspark") if drafter is not None else "off",
     )
-    orch = Orchestrator(engine, limits, chat_ids, decode, sps)
+    orch = Orchestrator(engine, limits, chat_ids, decode)
     orch.bls_time = bls_time  # model → [calls, seconds], published by the engine thread
     if sps is None:
         orch.on_start = lambda: _quick_sps(orch, call)
@@ -156,8 +156,7 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
 
 def _quick_sps(orch, call) -> None:
     sps = measure_sps(call)
-    orch.sps = orch.engine.sps = sps
-    orch.engine._policies.clear()  # policies built before this read no table
+    orch.engine.set_sps(sps)
     orch.engine.metrics.set_gauge("sps_table", 0.0, source="none")
     orch.engine.metrics.set_gauge("sps_table", 1.0, source="quick_probe")
     log.warning(

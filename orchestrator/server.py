@@ -89,6 +89,11 @@ class Server:
     extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
 
+    @classmethod
+    def on_free_ports(cls, repository: Path, models: list[str], log_path: Path | None = None) -> Server:
+        """A server on three free loopback ports (demo, benchmarks, tests)."""
+        return cls(Path(repository), models, free_port(), free_port(), free_port(), log_path=log_path)
+
     def command(self) -> list[str]:
         root = pytriton_root()
         cmd = [

@@ -120,12 +120,11 @@ class StreamSink:
 class Orchestrator:
     """Owns the Engine and its thread. `submit` is called from Triton's execute()."""
 
-    def __init__(self, engine: Engine, limits: Limits, chat_ids, decode, sps=None) -> None:
+    def __init__(self, engine: Engine, limits: Limits, chat_ids, decode) -> None:
         self.engine = engine
         self.limits = limits
         self.chat_ids = chat_ids
         self.decode = decode
-        self.sps = sps
         self._inbox: deque = deque()
         self._wake = threading.Condition()
         self._stop = False

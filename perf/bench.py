@@ -388,7 +388,7 @@ def cmd_bench(args) -> int:
 
     from orchestrator.cli import _target_dir
     from orchestrator.repository import render
-    from orchestrator.server import Server, ServerError, free_port
+    from orchestrator.server import Server, ServerError
 
     modes = args.modes.split(",")
     conc = [int(x) for x in args.concurrency.split(",")]
@@ -407,9 +407,7 @@ def cmd_bench(args) -> int:
         "cpu", repo, engines, _target_dir("smollm2-135m-instruct"), num_slots=max(conc), max_len=1024,
         threads=args.threads, max_queue=4 * max(conc), sps_path=str(sps.resolve()) if sps.exists() else "",
     )  # fmt: skip
-    server = Server(
-        repo, models, free_port(), free_port(), free_port(), log_path=REPO / "build" / "logs" / "bench.log"
-    )
+    server = Server.on_free_ports(repo, models, REPO / "build" / "logs" / "bench.log")
     try:
         server.start()
     except ServerError as e:

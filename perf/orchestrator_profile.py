@@ -54,7 +54,7 @@ def main() -> None:
 
     orch = make_orchestrator(params, call)
     eng = orch.engine
-    eng.sps = measure_sps(call)
+    eng.set_sps(measure_sps(call))
     data = shared_dir() / "data" / "eval"
     prompts = [first_turn(data / f"{s}.jsonl") for s in ("gsm8k-test", "humaneval", "mt-bench")]
 

@@ -136,7 +136,7 @@ def run_sweep(
 
     from dspark.scheduler import SPSTable
     from orchestrator.repository import render
-    from orchestrator.server import Server, free_port
+    from orchestrator.server import Server
 
     if max(sizes) + 1 > 64 + 1:
         raise ValueError("the probe entry takes at most 64 tokens per step (B <= 64)")
@@ -145,10 +145,7 @@ def run_sweep(
     render(
         "cpu", work / "repository", engines, None, num_slots=1, max_len=max(contexts) + 64, threads=threads
     )
-    server = Server(
-        (work / "repository").resolve(), ["target"], free_port(), free_port(), free_port(),
-        log_path=work / "server.log",
-    )  # fmt: skip
+    server = Server.on_free_ports((work / "repository").resolve(), ["target"], work / "server.log")
     t0 = time.perf_counter()
     points = []
     with server:

@@ -13,7 +13,7 @@ from dspark.reference import Request, generate
 from dspark.target import TargetRunner
 from orchestrator.cli import _target_dir
 from orchestrator.repository import render
-from orchestrator.server import Server, free_port
+from orchestrator.server import Server
 from tests.integration.test_tiny_server import _metrics, _stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -29,7 +29,7 @@ def real_server(real_engines, tmp_path_factory):
     models = render(
         "cpu", tmp / "repo", eng, _target_dir(DEFAULT_TARGET), num_slots=SLOTS, max_len=1024, threads=2
     )
-    srv = Server(tmp / "repo", models, free_port(), free_port(), free_port(), log_path=tmp / "server.log")
+    srv = Server.on_free_ports(tmp / "repo", models, tmp / "server.log")
     with srv:
         yield srv
     assert not srv.alive()

@@ -54,7 +54,7 @@ def _orchestrator(slots=3):
     target = tiny_target()
     eng = Engine(TargetRunner(target, slots, 96), BlockDrafterRunner(_drafter(target=target), slots, 96), SPS)
     limits = Limits(TINY.vocab_size, 96, 64, frozenset({0}))
-    return target, Orchestrator(eng, limits, lambda s: [1, 2, 3], decode, SPS).start()
+    return target, Orchestrator(eng, limits, lambda s: [1, 2, 3], decode).start()
 
 
 def _inputs(prompt, max_tokens=20, **kw):
