@@ -334,22 +334,36 @@ class BlockDrafterRunner(Drafter):
         )
 
 
-def sample_block(head_step, U, h, prev, draft_vocab, vocab_size, params, gens) -> Proposal:
-    """The sequential stage of one round, shared by the PyTorch and the engine runners.
+def block_uniforms(gens, G: int) -> torch.Tensor:
+    """[R, G] float64: each request's γ uniforms for one draft block, drawn in slot order."""
+    return torch.stack([uniforms(g, G) for g in gens])
+
+
+def sample_block(head_step, U, h, prev, draft_vocab, vocab_size, params, gens, us=None) -> Proposal:
+    """The sequential stage of one round, shared by the PyTorch and the engine runners and by
+    the `drafter_head` model's block entry (which gets the uniforms `us` instead of `gens`).
 
     head_step(U_k, h_k, prev, state) -> (z_k, c_k, state) is the Markov/RNN head (PyTorch or
     an engine); U [R, γ, Vd] and h [R, γ, d] come from the backbone; prev [R] are the anchors
-    as draft indices. Each request draws its γ uniforms first, in slot order."""
+    as draft indices. Each request draws its γ uniforms first, in slot order (block_uniforms)."""
     R, G = U.shape[0], U.shape[1]
-    us = torch.stack([uniforms(g, G) for g in gens])
+    if us is None:
+        us = block_uniforms(gens, G)
     index = torch.zeros(R, G, dtype=torch.long)
     probs = torch.zeros(R, G, len(draft_vocab))  # q over the draft vocabulary; zero elsewhere
     conf = torch.zeros(R, G)
     state = None
+    greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+    g_rows = torch.nonzero(greedy).flatten()
+    others = torch.nonzero(~greedy).flatten().tolist()
     for k in range(G):
         z, c, state = head_step(U[:, k], h[:, k], prev, state)
         conf[:, k] = c.float()
-        for r in range(R):
+        if len(g_rows):  # greedy rows at once: warp is the one-hot of the argmax, sampling returns it
+            top = z[g_rows].float().argmax(-1)
+            probs[g_rows, k, top] = 1.0
+            index[g_rows, k] = top
+        for r in others:
             probs[r, k] = warp(z[r], params[r])
             index[r, k] = sample(probs[r, k], us[r, k])
         prev = index[:, k]

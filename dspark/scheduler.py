@@ -155,6 +155,26 @@ class SPSTable:
         """Vectorised SPS(B)."""
         return 1.0 / self._step_time_array(b)
 
+    def monotone(self) -> SPSTable:
+        """The least-squares fit of the step times that never decreases with B (isotonic
+        regression, pool-adjacent-violators), as a new table.
+
+        A measured curve is noisy (a shared VM drifts by ±10% within minutes) and a noisy dip —
+        B = 3 measured faster than B = 2 — tells the scheduler that verifying one more token is
+        free. A step that carries more tokens is never cheaper, so the scheduler reads the
+        monotone fit; `meta["fit"]` says so."""
+        blocks: list[list[float]] = []  # [sum, count] of pooled step times
+        for t in self._t:
+            blocks.append([float(t), 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                s, n = blocks.pop()
+                blocks[-1][0] += s
+                blocks[-1][1] += n
+        fitted = [s / n for s, n in blocks for _ in range(int(n))]
+        return SPSTable.from_step_times(
+            self.batch_tokens, fitted, {**self.meta, "fit": "isotonic (step time non-decreasing in B)"}
+        )
+
     @classmethod
     def from_step_times(
         cls, batch_tokens: Sequence[int], seconds: Sequence[float], meta: dict | None = None

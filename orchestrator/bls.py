@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from dspark.block_drafter import sample_block
+from dspark.block_drafter import block_uniforms, sample_block
 from dspark.drafter import Drafter, Proposal
 from dspark.target import TargetStep
 from engines.ort import draft_vocabulary
@@ -90,13 +90,17 @@ class RemoteTarget:
 
 
 class RemoteDrafter(Drafter):
-    """Drafter interface over `drafter_backbone` (+ `drafter_head` γ times per round).
+    """Drafter interface over `drafter_backbone` + `drafter_head`.
 
-    Features committed since the last round wait here and travel with the next backbone call;
-    sampling happens here with the requests' own random streams (block_drafter.sample_block)."""
+    Features committed since the last round wait here and travel with the next backbone call.
+    With `head_block` (the cpu profile), one call to the head's block entry runs the γ head
+    steps and the sampling between them, with uniforms drawn here from the requests' own random
+    streams; without it (a head engine that only has the step entry, e.g. a TensorRT plan),
+    the head is called γ times and sampling happens here. Both run block_drafter.sample_block."""
 
-    def __init__(self, call: Call, meta: dict, num_slots: int) -> None:
+    def __init__(self, call: Call, meta: dict, num_slots: int, head_block: bool = True) -> None:
         self.call = call
+        self.head_block = head_block
         cfg = meta["config"]
         self.block_size = cfg["block_size"]
         self.vocab_size, self.draft_vocab, self.to_draft = draft_vocabulary(meta)
@@ -140,7 +144,32 @@ class RemoteDrafter(Drafter):
             self.pending[r] = []
         U, h = torch.from_numpy(out["base_logits"]), torch.from_numpy(out["hidden"])
         prev = torch.from_numpy(self.to_draft[np.asarray(anchors, np.int64)])
+        if self.head_block and self.has_head:
+            return self._head_block(out["base_logits"], out["hidden"], prev, params, gens)
         return sample_block(self._head_step, U, h, prev, self.draft_vocab, self.vocab_size, params, gens)
+
+    def _head_block(self, U, h, prev, params, gens) -> Proposal:
+        out = self.call(
+            "drafter_head",
+            {
+                "block_logits": U,
+                "block_hidden": h,
+                "prev": prev.numpy().astype(np.int64),
+                "uniforms": block_uniforms(gens, U.shape[1]).numpy(),
+                "temperature": np.array([p.temperature for p in params], np.float64),
+                "top_k": np.array([p.top_k for p in params], np.int64),
+                "top_p": np.array([p.top_p for p in params], np.float64),
+            },
+            ["draft_index", "draft_probs", "block_confidence"],
+        )
+        index = torch.from_numpy(out["draft_index"])
+        return Proposal(
+            self.draft_vocab[index],
+            torch.from_numpy(out["draft_probs"]),
+            torch.from_numpy(out["block_confidence"]),
+            vocab=self.draft_vocab,
+            index=index,
+        )
 
     def _head_step(self, U_k, h_k, prev, state):
         if not self.has_head:

@@ -129,6 +129,7 @@ class _Entry:
     fallback: str | None = None  # why a speculative request continues target-only
     traced: int = 0  # rounds of live.trace already reported to the metrics
     skipped: int = 0  # consecutive rounds this request did not draft (dspark-skip)
+    refresh: int = 4  # dspark-skip: rounds without drafting before a refresh (Engine._plan_drafting)
 
 
 class Engine:
@@ -245,21 +246,36 @@ class Engine:
         self.metrics.occupancy(len(self.active), len(self.queue), self._free_slots())
 
     SKIP_REFRESH = 4  # requests that skipped this many rounds draft again (fresh confidences) together
+    SKIP_REFRESH_MAX = 32  # a refresh that keeps showing drafting does not pay backs off up to this
 
     def _plan_drafting(self, policy, entries: list[_Entry]) -> np.ndarray:
-        """dspark-skip: which requests draft this round, from stale confidences only."""
+        """dspark-skip: which requests draft this round, from stale confidences only.
+
+        A request drafts when the plan says its expected gain pays for the draft call, or when
+        it is due for a refresh (its confidences are `refresh` rounds old). Each refresh doubles
+        the request's interval (4, 8, 16, 32 rounds): when drafting never pays on this machine,
+        the refresh draft calls stop costing a fixed share of every round. As soon as the plan
+        picks the request on its own merits, the interval drops back to 4."""
         gamma = self.drafter.block_size
         stale = np.full((len(entries), gamma), np.nan)
         for r, e in enumerate(entries):
             if e.live.conf_history:
                 stale[r] = e.live.conf_history[-1]
         max_len = np.array([min(gamma, e.live.req.max_tokens - len(e.live.out) - 1) for e in entries])
-        # refreshes are synchronised (every SKIP_REFRESH-th step for everyone due), so that the
-        # draft call they cost is paid once for all of them, not once per staggered request
+        max_len = np.maximum(max_len, 0)
+        # refreshes are synchronised (every SKIP_REFRESH-th step for everyone due, and every
+        # interval is a multiple of it), so that the draft call they cost is paid once for all
+        # of them, not once per staggered request
         refresh_step = self._steps % self.SKIP_REFRESH == 0
-        forced = np.array([refresh_step and e.skipped >= self.SKIP_REFRESH for e in entries])
-        mask = policy.plan(stale, np.maximum(max_len, 0), self.drafter.seconds, forced)
-        for e, m in zip(entries, mask):
+        forced = np.array([refresh_step and e.skipped + 1 >= e.refresh for e in entries])
+        seconds = self.drafter.seconds
+        merit = policy.plan(stale, max_len, seconds) if forced.any() else None
+        mask = policy.plan(stale, max_len, seconds, forced)
+        for r, (e, m) in enumerate(zip(entries, mask)):
+            if merit is not None and forced[r] and not merit[r]:
+                e.refresh = min(2 * e.refresh, self.SKIP_REFRESH_MAX)
+            elif m and e.live.conf_history:
+                e.refresh = self.SKIP_REFRESH
             e.skipped = 0 if m else e.skipped + 1
         if (~mask).any():
             self.metrics.inc("skipped_drafts_total", float((~mask).sum()))

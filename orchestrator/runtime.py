@@ -73,7 +73,8 @@ def measure_sps(call, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeat
             call("target", inputs, ["probe_argmax"])
             best = min(best, time.perf_counter() - t)
         secs.append(best)
-    return SPSTable.from_step_times(list(sizes), secs, {"source": "quick startup probe", "context": context})
+    table = SPSTable.from_step_times(list(sizes), secs, {"source": "quick startup probe", "context": context})
+    return table.monotone()
 
 
 def make_orchestrator(params: dict, call, metrics_backend=None):
@@ -115,7 +116,8 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
     meta_path = eng / "drafter_meta.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        drafter = RemoteDrafter(timed_call, meta, slots)
+        # the python head (cpu profile) has the block entry; a TensorRT head plan only steps
+        drafter = RemoteDrafter(timed_call, meta, slots, head_block=params.get("runtime") != "tensorrt")
         sts = STS.from_dict(meta["sts"]) if meta.get("sts") else None
         max_len = min(max_len, int(meta["max_context"]))
     sps_path = params.get("sps_path", "")

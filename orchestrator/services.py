@@ -184,11 +184,22 @@ class DrafterBackboneService:
 
 
 class DrafterHeadService:
+    """Two entries. The step entry (base_logits [R, Vd], hidden [R, d], prev [R], state) runs one
+    head step. The block entry (block_logits [R, γ, Vd], block_hidden [R, γ, d], prev, uniforms
+    [R, γ] fp64, temperature / top_p [R] fp64, top_k [R]) runs the whole sequential stage of a
+    round here — the γ head steps with the warping and inverse-CDF sampling between them
+    (block_drafter.sample_block, the same code the orchestrator would run) — and returns
+    draft_index [R, γ] (draft-vocabulary indices), draft_probs [R, γ, Vd] (the warped q each
+    draft was sampled from) and block_confidence [R, γ]: one BLS call per round instead of γ.
+    Lossless: the uniforms come from each request's own stream in the orchestrator."""
+
     def __init__(self, drafter) -> None:
         self.drafter = drafter
         self.rnn = drafter.cfg["head"] == "rnn"
 
     def handle(self, inputs: dict) -> dict:
+        if "uniforms" in inputs:
+            return self.block(inputs)
         U = _need(inputs, "base_logits", np.float32, 2)
         h = _need(inputs, "hidden", np.float32, 2)
         prev = _need(inputs, "prev", np.int64, 1)
@@ -200,3 +211,47 @@ class DrafterHeadService:
         if self.rnn and s is not None:
             out["state_out"] = s.numpy()
         return out
+
+    def block(self, inputs: dict) -> dict:
+        from dspark.block_drafter import sample_block
+        from dspark.sampling import SamplingParams
+
+        U = _need(inputs, "block_logits", np.float32, 3)
+        h = _need(inputs, "block_hidden", np.float32, 3)
+        prev = _need(inputs, "prev", np.int64, 1)
+        us = _need(inputs, "uniforms", np.float64, 2)
+        temp = _need(inputs, "temperature", np.float64, 1)
+        top_k = _need(inputs, "top_k", np.int64, 1)
+        top_p = _need(inputs, "top_p", np.float64, 1)
+        R, G, Vd = U.shape
+        if R == 0 or h.shape[:2] != (R, G) or us.shape != (R, G):
+            raise RequestError(
+                f"block_logits {list(U.shape)}, block_hidden {list(h.shape)} and uniforms {list(us.shape)} "
+                "must agree on [R, γ] with R >= 1"
+            )
+        if not (len(prev) == len(temp) == len(top_k) == len(top_p) == R):
+            raise RequestError(f"prev, temperature, top_k and top_p need one entry per row ({R})")
+        if prev.min() < 0 or prev.max() > Vd:  # Vd = "outside the draft vocabulary"
+            raise RequestError(f"prev must be draft-vocabulary indices in [0, {Vd}]")
+        if not ((us >= 0) & (us < 1)).all():
+            raise RequestError("uniforms must be in [0, 1)")
+        try:
+            params = [SamplingParams(float(t), int(k), float(p)) for t, k, p in zip(temp, top_k, top_p)]
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        prop = sample_block(
+            self.drafter.head_step,
+            torch.from_numpy(U),
+            torch.from_numpy(h),
+            torch.from_numpy(prev),
+            torch.arange(Vd),
+            Vd,
+            params,
+            None,
+            us=torch.from_numpy(us),
+        )
+        return {
+            "draft_index": prop.index.numpy(),
+            "draft_probs": prop.probs.numpy(),
+            "block_confidence": prop.conf_logits.float().numpy(),
+        }

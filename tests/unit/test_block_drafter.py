@@ -258,3 +258,34 @@ def test_draft_vocabulary_is_frequency_ranked_and_keeps_stop_tokens():
     vocab, coverage = build_draft_vocab([[5, 5, 5, 7, 7, 9], [5, 7, 11]], size=3, must_include=[2])
     assert vocab.tolist() == [2, 5, 7]
     assert coverage == pytest.approx(7 / 9)
+
+
+def test_sample_block_greedy_rows_at_once_equal_the_per_row_warp_and_sample():
+    """sample_block handles greedy rows in one argmax; it must pick exactly what warp + sample
+    pick row by row (ties included: both take the first maximum), next to sampled rows."""
+    from dspark.block_drafter import block_uniforms, sample_block
+    from dspark.sampling import SamplingParams, sample, warp
+
+    R, G, Vd = 6, 5, 23
+    g = torch.Generator().manual_seed(5)
+    U = torch.randint(-3, 4, (R, G, Vd), generator=g).float()  # small integers: many ties
+    h = torch.zeros(R, G, 2)
+    params = [SamplingParams(), SamplingParams(0.9, seed=1), SamplingParams(), SamplingParams(1.0, top_k=3),
+              SamplingParams(), SamplingParams(1.2, top_p=0.7)]  # fmt: skip
+
+    def head_step(U_k, h_k, prev, state):  # a Markov-like head: the previous draft shifts the logits
+        return U_k + (prev.float() % 3).unsqueeze(-1), prev.float(), state
+
+    vocab = torch.arange(100, 100 + Vd)
+    prop = sample_block(head_step, U, h, torch.zeros(R, dtype=torch.long), vocab, 200, params,
+                        [torch.Generator().manual_seed(i) for i in range(R)])  # fmt: skip
+    us = block_uniforms([torch.Generator().manual_seed(i) for i in range(R)], G)
+    prev = torch.zeros(R, dtype=torch.long)
+    for k in range(G):
+        z, _, _ = head_step(U[:, k], h[:, k], prev, None)
+        for r in range(R):
+            q = warp(z[r], params[r])
+            assert torch.equal(prop.probs[r, k], q)
+            assert int(prop.index[r, k]) == int(sample(q, us[r, k]))
+        prev = prop.index[:, k]
+    assert torch.equal(prop.tokens, vocab[prop.index])

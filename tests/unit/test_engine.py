@@ -255,3 +255,27 @@ def test_dspark_skip_decodes_the_same_tokens_whether_it_drafts_or_not():
         if draft_seconds > 0:
             assert drafted_rounds <= 6 + all_rounds / Engine.SKIP_REFRESH
     assert skipped[0.0] < skipped[1e6]
+
+
+def test_dspark_skip_refreshes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
+    target = tiny_target()
+    req = Request([5, 6, 7], max_tokens=80, stop_ids=frozenset())
+    plain = generate(TargetRunner(target, 1, 96), [req])[0].tokens
+    eng, _ = _engine(target)
+    sink = Collect()
+    eng.submit(req, "dspark-skip", sink)
+    eng.step()  # first round: drafts (no confidences yet), measures the draft cost
+    eng.drafter.seconds = 1e6  # drafting can never pay: only refreshes draft
+    drafted_at, intervals = [], []
+    for step in range(1, 66):
+        before = len(eng.active[0].live.trace)
+        eng.step()
+        if len(eng.active[0].live.trace) > before:
+            drafted_at.append(step)
+        intervals.append(eng.active[0].refresh)
+    gaps = [b - a for a, b in zip([0] + drafted_at, drafted_at)]
+    assert gaps[0] <= Engine.SKIP_REFRESH + 3 and gaps[1:4] == [8, 16, 32], drafted_at  # 1st: next sync step
+    assert max(intervals) == Engine.SKIP_REFRESH_MAX
+    eng.drafter.seconds = 0.0  # now a draft call is free: the next refresh pays and resets the interval
+    eng.run_until_idle(200)
+    assert sink.out == plain

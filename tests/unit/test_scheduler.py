@@ -188,6 +188,33 @@ def test_sps_from_step_times_inverts_seconds():
     assert table.steps_per_second == (2.0, 4.0)
 
 
+def _isotonic_brute_force(y: list[float]) -> list[float]:
+    """The closed form of the non-decreasing least-squares fit: x_i = max_{j<=i} min_{k>=i} mean(y[j..k])."""
+    n = len(y)
+    return [
+        max(min(float(np.mean(y[j : k + 1])) for k in range(i, n)) for j in range(i + 1)) for i in range(n)
+    ]
+
+
+def test_sps_monotone_fit_equals_brute_force_isotonic_regression():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        t = rng.uniform(0.01, 0.05, n)
+        fitted = SPSTable.from_step_times(list(range(1, n + 1)), t, {"context": 256}).monotone()
+        got = [fitted.step_time(b) for b in range(1, n + 1)]
+        assert got == pytest.approx(_isotonic_brute_force(list(t)), rel=1e-12)
+        assert all(a <= b + 1e-15 for a, b in zip(got, got[1:]))
+        assert fitted.meta["context"] == 256 and "isotonic" in fitted.meta["fit"]
+
+
+def test_sps_monotone_fit_pools_a_noisy_dip_and_keeps_a_monotone_curve():
+    noisy = SPSTable.from_step_times([1, 2, 3, 4], [0.023, 0.031, 0.029, 0.033])
+    assert [round(noisy.monotone().step_time(b), 6) for b in (1, 2, 3, 4)] == [0.023, 0.03, 0.03, 0.033]
+    clean = SPSTable.from_step_times([1, 2, 4], [0.02, 0.025, 0.03])
+    assert clean.monotone() == clean
+
+
 def test_sps_lists_are_stored_as_tuples_and_table_is_hashable():
     table = SPSTable([1, 2], [3, 4])
     assert table.batch_tokens == (1, 2)
@@ -630,3 +657,19 @@ def test_skip_drafting_plan_maximises_expected_tokens_per_second():
     assert pol.plan(np.full((2, 7), 0.01), np.array([7, 7]), None).all()
     assert not pol.plan(np.full((2, 7), 0.01), np.array([7, 7]), 1e9).any()
     assert parse_policy("dspark-skip", sps).name == "dspark-skip"
+
+
+def test_sps_sweep_summary_takes_the_median_over_passes_and_fits_it_monotone():
+    from perf.sps import summarise
+
+    def pt(b, us, k):
+        return {"batch_tokens": b, "context": 256, "compute_infer_us": us, "pass": k,
+                "client_steps_per_second": 1e6 / us, "p50_us": us + 100, "p99_us": us + 200}  # fmt: skip
+
+    points = [pt(1, 20000, 0), pt(2, 30000, 0), pt(3, 26000, 0)]
+    points += [pt(1, 22000, 1), pt(2, 90000, 1), pt(3, 28000, 1)]  # an outlier at B = 2
+    points += [pt(1, 21000, 2), pt(2, 29000, 2), pt(3, 27000, 2), pt(1, 1, 2) | {"context": 1024}]
+    c = summarise(points, 256, [1, 2, 3])
+    assert c["measured_steps_per_second"] == pytest.approx([1e6 / 21000, 1e6 / 30000, 1e6 / 27000])
+    assert c["steps_per_second"] == pytest.approx([1e6 / 21000, 1e6 / 28500, 1e6 / 28500])  # 2 and 3 pooled
+    assert c["p50_us"] == [21100, 30100, 27100]

@@ -4,12 +4,14 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
+from dspark.block_drafter import sample_block
 from dspark.reference import generate
 from dspark.sampling import SamplingParams
 from dspark.scheduler import SPSTable
 from dspark.target import TargetRunner
-from engines.ort import OrtDrafterRunner, OrtTargetRunner, session
+from engines.ort import OrtDrafterRunner, OrtTargetRunner, draft_vocabulary, session
 from orchestrator.bls import RemoteDrafter, RemoteTarget
 from orchestrator.engine import Engine
 from orchestrator.services import DrafterBackboneService, DrafterHeadService, RequestError, TargetService
@@ -42,7 +44,7 @@ def _services(out, slots=3):
     calls = []
 
     def call(model, inputs, outputs):
-        calls.append(model)
+        calls.append(model + (":release" if "release_ids" in inputs else ""))
         res = svcs[model].handle(inputs)
         return {k: res[k] for k in outputs}
 
@@ -50,13 +52,15 @@ def _services(out, slots=3):
     return svcs, call, meta, calls
 
 
+@pytest.mark.parametrize("head_block", [True, False])
 @pytest.mark.parametrize("mode", ["static:3", "dspark"])
-def test_engine_over_remote_models_equals_the_target_alone(built, mode):
+def test_engine_over_remote_models_equals_the_target_alone(built, mode, head_block):
     target, out = built
     svcs, call, meta, calls = _services(out)
     reqs = _reqs(5)
     plain = [r.tokens for r in generate(TargetRunner(target, 5, 96), reqs)]
-    eng = Engine(RemoteTarget(call, TINY.vocab_size, 3, 96), RemoteDrafter(call, meta, 3), SPS, None, 3)
+    drafter = RemoteDrafter(call, meta, 3, head_block=head_block)
+    eng = Engine(RemoteTarget(call, TINY.vocab_size, 3, 96), drafter, SPS, None, 3)
     sinks = [Collect() for _ in reqs]
     for r, s in zip(reqs, sinks):
         eng.submit(r, mode, s)
@@ -64,14 +68,18 @@ def test_engine_over_remote_models_equals_the_target_alone(built, mode):
     assert [s.out for s in sinks] == plain
     assert svcs["target"].active == 0 and not svcs["drafter_backbone"].known  # all released
     assert svcs["drafter_backbone"].drafter.free_slots == 3
-    assert calls.count("drafter_head") >= 7
+    # one head call per draft round with the block entry, γ without it
+    per_round = 1 if head_block else meta["config"]["block_size"]
+    assert calls.count("drafter_head") == calls.count("drafter_backbone") * per_round > 0
 
 
-def test_sampled_tokens_over_remote_models_equal_the_in_process_engines(built):
+@pytest.mark.parametrize("head_block", [True, False])
+def test_sampled_tokens_over_remote_models_equal_the_in_process_engines(built, head_block):
     target, out = built
     reqs = _reqs(3, params=lambda i: SamplingParams(0.8, top_p=0.9, seed=7 + i))
     _, call, meta, _ = _services(out)
-    eng = Engine(RemoteTarget(call, TINY.vocab_size, 3, 96), RemoteDrafter(call, meta, 3), SPS, None, 3)
+    drafter = RemoteDrafter(call, meta, 3, head_block=head_block)
+    eng = Engine(RemoteTarget(call, TINY.vocab_size, 3, 96), drafter, SPS, None, 3)
     sinks = [Collect() for _ in reqs]
     for r, s in zip(reqs, sinks):
         eng.submit(r, "static:4", s)
@@ -164,3 +172,54 @@ def test_backbone_service_rejects_bad_requests_and_releases(built):
     assert res["base_logits"].shape == (1, meta["config"]["block_size"], len(meta["draft_vocab"]))
     b.handle({"release_ids": np.array([1], np.int64)})
     assert not b.known and b.drafter.free_slots == 2
+
+
+def test_head_block_entry_equals_the_step_entry_with_sampling_in_the_orchestrator(built):
+    """The block entry runs the same sample_block as the orchestrator would around γ step calls:
+    same draft indices, same q, same confidences, for greedy, temperature, top-k and top-p rows."""
+    _, out = built
+    svcs, call, meta, _ = _services(out, slots=4)
+    head = svcs["drafter_head"]
+    G, Vd = meta["config"]["block_size"], len(meta["draft_vocab"])
+    res = svcs["drafter_backbone"].handle(
+        {
+            "seq_ids": np.arange(4, dtype=np.int64),
+            "anchor_ids": np.array([3, 9, 17, 40], np.int64),
+            "features": np.random.default_rng(0).standard_normal((12, TINY.feature_size)).astype(np.float32),
+            "n_features": np.array([3, 3, 3, 3], np.int64),
+        }
+    )
+    U, h = res["base_logits"], res["hidden"]
+    assert U.shape[:2] == (4, G) and h.shape[:2] == (4, G)
+    params = [
+        SamplingParams(),
+        SamplingParams(0.7),
+        SamplingParams(1.0, top_k=5),
+        SamplingParams(1.3, top_p=0.8),
+    ]
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    step_path = RemoteDrafter(call, meta, 4, head_block=False)
+    _, _, to_draft = draft_vocabulary(meta)
+    prev = torch.from_numpy(to_draft[np.array([3, 9, 17, 40])])
+    want = sample_block(step_path._head_step, torch.from_numpy(U), torch.from_numpy(h), prev,
+                        step_path.draft_vocab, step_path.vocab_size, params, gens)  # fmt: skip
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    got = RemoteDrafter(call, meta, 4)._head_block(U, h, prev, params, gens)
+    assert torch.equal(got.index, want.index) and torch.equal(got.tokens, want.tokens)
+    assert torch.equal(got.probs, want.probs) and torch.equal(got.conf_logits, want.conf_logits)
+    assert got.probs.shape == (4, G, Vd) and got.index[0].tolist() == got.probs[0].argmax(-1).tolist()
+
+    block = {"block_logits": U, "block_hidden": h, "prev": prev.numpy(), "uniforms": np.full((4, G), 0.5),
+             "temperature": np.zeros(4), "top_k": np.zeros(4, np.int64), "top_p": np.ones(4)}  # fmt: skip
+    bad = [
+        ({"uniforms": np.full((4, G), 1.0)}, r"uniforms must be in \[0, 1\)"),
+        ({"uniforms": np.full((3, G), 0.5)}, "must agree"),
+        ({"temperature": np.full(4, -1.0)}, "temperature must be"),
+        ({"top_p": np.zeros(4)}, "top_p must be"),
+        ({"top_k": np.zeros(3, np.int64)}, "one entry per row"),
+        ({"prev": np.full(4, Vd + 1, np.int64)}, "draft-vocabulary indices"),
+        ({"uniforms": np.full((4, G), 0.5, np.float32)}, "must be float64"),
+    ]
+    for change, msg in bad:
+        with pytest.raises(RequestError, match=msg):
+            head.handle({**block, **change})
