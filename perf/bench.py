@@ -218,30 +218,33 @@ def summarize(mode, concurrency, gens, errors, wall, before, after, peak_rss) ->
 
 
 def goals(runs: list[dict]) -> dict:
-    """The issue's goals, evaluated on this run (ratios of cells measured side by side)."""
+    """The issue's goals, evaluated on this run (ratios of cells measured side by side), for
+    `dspark` (Algorithm 1, the issue's subject) and for each other scheduler mode in the run
+    (keys name the mode: c1_dspark-skip_per_user_vs_off, ...)."""
     by = {(r["mode"], r["concurrency"]): r for r in runs}
     conc = sorted({r["concurrency"] for r in runs})
-    out = {}
-    if ("dspark", 1) in by and ("off", 1) in by and by[("off", 1)]["per_user_tps"]:
-        out["c1_dspark_per_user_vs_off"] = by[("dspark", 1)]["per_user_tps"] / by[("off", 1)]["per_user_tps"]
     fixed = [m for m in {r["mode"] for r in runs} if m == "off" or m.startswith("static:")]
-    worst = None
-    for c in conc:
-        if ("dspark", c) not in by:
-            continue
-        best = max((by[(m, c)]["aggregate_tps"] for m in fixed if (m, c) in by), default=None)
-        if best:
-            ratio = by[("dspark", c)]["aggregate_tps"] / best
-            out[f"c{c}_dspark_aggregate_vs_best_fixed"] = ratio
-            worst = ratio if worst is None else min(worst, ratio)
-        if c >= 16 and ("static:7", c) in by and by[("static:7", c)]["aggregate_tps"]:
-            out[f"c{c}_dspark_aggregate_vs_static7"] = (
-                by[("dspark", c)]["aggregate_tps"] / by[("static:7", c)]["aggregate_tps"]
-            )
-    if worst is not None:
-        out["min_dspark_aggregate_vs_best_fixed"] = worst
-    if ("dspark", 1) in by and by[("dspark", 1)]["overhead"] is not None:
-        out["c1_dspark_orchestrator_overhead"] = by[("dspark", 1)]["overhead"]
+    out = {}
+    for mode in ("dspark", "dspark-async", "dspark-skip"):
+        if ("off", 1) in by and (mode, 1) in by and by[("off", 1)]["per_user_tps"]:
+            out[f"c1_{mode}_per_user_vs_off"] = by[(mode, 1)]["per_user_tps"] / by[("off", 1)]["per_user_tps"]
+        worst = None
+        for c in conc:
+            if (mode, c) not in by:
+                continue
+            best = max((by[(m, c)]["aggregate_tps"] for m in fixed if (m, c) in by), default=None)
+            if best:
+                ratio = by[(mode, c)]["aggregate_tps"] / best
+                out[f"c{c}_{mode}_aggregate_vs_best_fixed"] = ratio
+                worst = ratio if worst is None else min(worst, ratio)
+            if c >= 16 and ("static:7", c) in by and by[("static:7", c)]["aggregate_tps"]:
+                out[f"c{c}_{mode}_aggregate_vs_static7"] = (
+                    by[(mode, c)]["aggregate_tps"] / by[("static:7", c)]["aggregate_tps"]
+                )
+        if worst is not None:
+            out[f"min_{mode}_aggregate_vs_best_fixed"] = worst
+        if (mode, 1) in by and by[(mode, 1)]["overhead"] is not None:
+            out[f"c1_{mode}_orchestrator_overhead"] = by[(mode, 1)]["overhead"]
     return out
 
 

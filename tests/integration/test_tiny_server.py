@@ -390,5 +390,6 @@ def test_bench_sweeps_modes_and_writes_the_result_schema(tiny, server, tmp_path)
         assert 0.0 <= r["overhead"] < 1.0
         assert (r["mean_verify_len"] == 0) == (r["mode"] == "off")
     assert "c1_dspark_aggregate_vs_best_fixed" not in res["goals"]  # no dspark cell in this sweep
+    assert res["goals"]["c2_dspark-skip_aggregate_vs_best_fixed"] > 0  # each scheduler mode gets its ratios
     assert (tmp_path / "bench.csv").exists() and (tmp_path / "bench_pareto.png").exists()
     _settled(server)
