@@ -28,7 +28,7 @@ import torch
 from dspark.calibration import STS
 from dspark.drafter import Drafter
 from dspark.metrics import AcceptanceStats, RoundRecord
-from dspark.sampling import SamplingParams, make_generator, sample, uniforms, warp
+from dspark.sampling import SamplingParams, make_generator, sample, uniforms, warp, warp_rows
 from dspark.scheduler import Off, Policy
 from dspark.target import TargetStep
 from dspark.verify import chain_verify, commit_tokens
@@ -223,9 +223,9 @@ def _speculative_round(
         [s.slot for s in active],
         [[s.anchor] + drafts[r, : lengths[r]].tolist() for r, s in enumerate(active)],
     )
-    p = torch.stack([warp(step.logits[r, : gamma + 1], s.req.params) for r, s in enumerate(active)])
-    if p.shape[1] < gamma + 1:  # every request verified fewer than γ drafts: pad the unused rows
-        p = torch.cat([p, p[:, -1:].expand(R, gamma + 1 - p.shape[1], -1)], dim=1)
+    # p over the max ℓ + 1 positions this step verified (no padding to γ + 1: at high load most
+    # rows verify ℓ = 0 and [R, γ+1, V] would be mostly copies)
+    p = warp_rows(step.logits[:, : gamma + 1], [s.req.params for s in active])
     u = torch.stack([uniforms(s.gen, gamma + 1) for s in active])
     verdict = chain_verify(drafts, probs, p, torch.from_numpy(lengths), u, vocab, index)
 

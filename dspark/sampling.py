@@ -74,6 +74,21 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def warp_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """warp() for a batch [R, ..., V] whose rows have their own parameters: greedy rows in one
+    argmax (the one-hot `warp` returns for them), the others row by row. Equal to stacking
+    warp(logits[r], params[r])."""
+    out = torch.zeros(logits.shape, dtype=torch.float32)
+    greedy = [r for r, p in enumerate(params) if p.greedy]
+    if greedy:
+        g = torch.tensor(greedy)
+        out[g] = torch.nn.functional.one_hot(logits[g].float().argmax(-1), logits.shape[-1]).float()
+    for r, p in enumerate(params):
+        if not p.greedy:
+            out[r] = warp(logits[r], p)
+    return out
+
+
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample from probs [..., V] with uniforms u [...] in [0, 1).
 

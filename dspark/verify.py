@@ -48,7 +48,8 @@ def chain_verify(
 
     draft_tokens: [R, γ] int64, x_1..x_γ (entries past ℓ_r are ignored).
     draft_probs:  [R, γ, V], q_k: exactly the distribution x_k was sampled from.
-    target_probs: [R, γ+1, V], p_0..p_γ, warped with the same rule as q (past ℓ_r ignored).
+    target_probs: [R, N, V], p_0..p_{N-1}, warped with the same rule as q (past ℓ_r ignored);
+                  N ≤ γ+1 is enough when every ℓ_r ≤ N − 1 (a step verifies max ℓ_r + 1 inputs).
     lengths:      [R] int64, ℓ_r ∈ [0, γ].
     u:            [R, γ+1] uniforms in [0, 1): u[:, k-1] decides draft k, u[:, γ] samples the
                   correction/bonus token.
@@ -60,15 +61,19 @@ def chain_verify(
     if gamma == 0:
         bonus = sample(target_probs[:, 0], u[:, 0])
         return Verdict(torch.zeros(R, dtype=torch.long), bonus)
-    idx = draft_tokens.unsqueeze(-1)
+    G = min(gamma, target_probs.shape[1] - 1)  # drafts that can be verified with these p
+    if R and int(lengths.max()) > G:
+        n = int(lengths.max())
+        raise ValueError(f"verifying {n} drafts needs {n + 1} target positions, got {G + 1}")
+    idx = draft_tokens[:, :G].unsqueeze(-1)
     # gather first, then widen: the same numbers as widening [R, γ, V] first, without
     # converting whole vocabularies every round
-    p_at_x = target_probs[:, :gamma].gather(-1, idx).squeeze(-1).double()  # p_{k-1}(x_k)
-    q_idx = idx if draft_vocab is None else draft_index.unsqueeze(-1)
-    q_at_x = draft_probs.gather(-1, q_idx).squeeze(-1).double()  # q_k(x_k)
+    p_at_x = target_probs[:, :G].gather(-1, idx).squeeze(-1).double()  # p_{k-1}(x_k)
+    q_idx = idx if draft_vocab is None else draft_index[:, :G].unsqueeze(-1)
+    q_at_x = draft_probs[:, :G].gather(-1, q_idx).squeeze(-1).double()  # q_k(x_k)
     # u < p/q without dividing: a draft with q = 0 could not have been sampled
-    ok = u[:, :gamma].double() * q_at_x < p_at_x
-    in_range = torch.arange(gamma).unsqueeze(0) < lengths.unsqueeze(1)
+    ok = u[:, :G].double() * q_at_x < p_at_x
+    in_range = torch.arange(G).unsqueeze(0) < lengths.unsqueeze(1)
     ok = ok & in_range
     accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)  # length of the all-accepted prefix
 

@@ -69,3 +69,16 @@ def test_generator_streams_depend_only_on_the_seed():
 def test_invalid_sampling_params_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_warp_rows_equals_warp_row_by_row_for_mixed_parameters():
+    from dspark.sampling import warp_rows
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randint(-2, 3, (6, 3, 17), generator=g).float()  # small integers: ties
+    params = [SamplingParams(), SamplingParams(0.8), SamplingParams(), SamplingParams(1.0, top_k=2),
+              SamplingParams(1.5, top_p=0.6), SamplingParams()]  # fmt: skip
+    got = warp_rows(logits, params)
+    want = torch.stack([warp(logits[r], params[r]) for r in range(6)])
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(warp_rows(logits[:, :0], params), torch.zeros(6, 0, 17))

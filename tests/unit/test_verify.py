@@ -124,3 +124,33 @@ def test_compact_draft_distributions_verify_exactly_like_dense_ones():
         compact = chain_verify(prop.tokens, q, p, lengths, u, vocab, index)
         assert torch.equal(dense.accepted, compact.accepted)
         assert torch.equal(dense.next_token, compact.next_token)
+
+
+def test_target_probs_over_max_length_plus_one_positions_verify_like_the_full_block():
+    """A step verifies max ℓ + 1 inputs; p over those positions only (no padding to γ + 1)
+    gives the same verdicts, dense and compact; fewer positions than some ℓ needs is an error."""
+    import pytest
+
+    from dspark.drafter import Proposal
+    from dspark.sampling import sample
+
+    g = torch.Generator().manual_seed(1)
+    R, G, V = 5, 6, 30
+    vocab = torch.randperm(V, generator=g)[:10]
+    for trial in range(40):
+        q = torch.softmax(torch.randn(R, G, len(vocab), generator=g) * 2, -1)
+        index = sample(q, torch.rand(R, G, generator=g))
+        prop = Proposal(vocab[index], q, torch.zeros(R, G), vocab=vocab, index=index)
+        p = torch.softmax(torch.randn(R, G + 1, V, generator=g) * 2, -1)
+        lengths = torch.randint(0, 1 + trial % (G + 1), (R,), generator=g)
+        u = torch.rand(R, G + 1, generator=g)
+        n = int(lengths.max()) + 1
+        full = chain_verify(prop.tokens, prop.dense_probs(V), p, lengths, u)
+        for got in (
+            chain_verify(prop.tokens, prop.dense_probs(V), p[:, :n], lengths, u),
+            chain_verify(prop.tokens, q, p[:, :n], lengths, u, vocab, index),
+        ):
+            assert torch.equal(got.accepted, full.accepted) and torch.equal(got.next_token, full.next_token)
+        if n > 1:
+            with pytest.raises(ValueError, match="target positions"):
+                chain_verify(prop.tokens, q, p[:, : n - 1], lengths, u, vocab, index)
