@@ -80,9 +80,13 @@ def warp_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     warp(logits[r], params[r])."""
     out = torch.zeros(logits.shape, dtype=torch.float32)
     greedy = [r for r, p in enumerate(params) if p.greedy]
-    if greedy:
-        g = torch.tensor(greedy)
-        out[g] = torch.nn.functional.one_hot(logits[g].float().argmax(-1), logits.shape[-1]).float()
+    if greedy and logits[..., :1].numel():
+        # written in place: no [R, N, V] one-hot (int64) or row copies, which cost more than
+        # the per-row loop at 32 rows × 8 positions × 49,152 tokens
+        V = logits.shape[-1]
+        flat, g = out.view(len(params), -1, V), torch.tensor(greedy)
+        top = logits.float().argmax(-1).reshape(len(params), -1)[g]  # [G, M], first maximum
+        flat[g.unsqueeze(1), torch.arange(top.shape[1]).unsqueeze(0), top] = 1.0
     for r, p in enumerate(params):
         if not p.greedy:
             out[r] = warp(logits[r], p)

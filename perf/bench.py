@@ -298,6 +298,34 @@ COLUMNS = [
 ]  # fmt: skip
 
 
+SUMMED = ("requests", "errors", "tokens", "wall_s")
+
+
+def combine(single: list[dict]) -> list[dict]:
+    """One row per (mode, concurrency) in first-seen order: the median over repeats of every
+    rate, latency, ratio and per-step figure, the sum of the counts, the largest peak RSS."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in single:
+        cells.setdefault((r["mode"], r["concurrency"]), []).append(r)
+    rows = []
+    for rs in cells.values():
+        row = {k: v for k, v in rs[0].items() if k != "repeat"}
+        for k in row:
+            vals = [r[k] for r in rs if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+            if k in ("mode", "concurrency") or len(vals) != len(rs):
+                continue
+            if k in SUMMED:
+                row[k] = sum(vals)
+            elif k == "peak_rss_mb":
+                row[k] = max(vals)
+            else:
+                row[k] = float(np.median(vals))
+        row["error_sample"] = [e for r in rs for e in r.get("error_sample", [])][:2]
+        row["repeats"] = len(rs)
+        rows.append(row)
+    return rows
+
+
 def write(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -320,7 +348,12 @@ def run_bench(
     pgid: int | None = None,
     meta: dict | None = None,
     log=print,
+    repeats: int = 1,
 ) -> dict:
+    """Every (concurrency, mode) cell, `repeats` times: at each concurrency the modes run one
+    after another, in reverse order on odd repeats, so that a drift of the machine's speed
+    (±10–30% within minutes on a shared VM) does not always favour the same modes; `runs`
+    holds per cell the median over repeats (`combine`), `repeat_runs` every single run."""
     from tqdm import tqdm
 
     from orchestrator.client import stream_generate
@@ -338,21 +371,33 @@ def run_bench(
             "requests_per_cell": f"max({min_requests}, 2 × concurrency)",
             "time_limit_s": time_limit,
             "greedy": True,
+            "repeats": repeats,
             **(meta or {}),
         },
     }
-    cells = [(c, m) for c in concurrencies for m in modes]  # modes side by side at each concurrency
+    # modes side by side at each concurrency, alternating direction per repeat
+    cells = [
+        (c, k, m)
+        for c in concurrencies
+        for k in range(repeats)
+        for m in (modes if k % 2 == 0 else modes[::-1])
+    ]
+    single: list[dict] = []
     with tqdm(total=len(cells), unit="cell", desc="bench") as bar:
-        for c, m in cells:
+        for c, k, m in cells:
             r = run_cell(
                 url, m, c, prompts, max_tokens, max(min_requests, 2 * c), time_limit, metrics_url, pgid
             )
-            result["runs"].append(r)
+            single.append({**r, "repeat": k})
             bar.set_postfix(mode=m, c=c, agg=f"{r['aggregate_tps']:.1f}", user=f"{r['per_user_tps']:.1f}")
             bar.update()
             if out is not None:  # partial results survive an interruption
+                result["runs"] = combine(single)
+                result["repeat_runs"] = single if repeats > 1 else []
                 result["goals"] = goals(result["runs"])
                 write(result, out)
+    result["runs"] = combine(single)
+    result["repeat_runs"] = single if repeats > 1 else []
     result["goals"] = goals(result["runs"])
     if out is not None:
         write(result, out)
@@ -382,6 +427,9 @@ def add_parser(sub) -> None:
         "--sps", default="perf/results/sps.json", help="SPS table for the server (else a quick probe)"
     )
     b.add_argument("--threads", type=int, default=2)
+    b.add_argument(
+        "--repeats", type=int, default=2, help="runs per cell (alternating mode order); the median is kept"
+    )
     b.add_argument("--out", default="perf/results/bench.json")
     b.set_defaults(fn=cmd_bench)
 
@@ -398,7 +446,10 @@ def cmd_bench(args) -> int:
     prompts = eval_prompts(60)
     out = Path(args.out)
     if args.url:
-        run_bench(args.url, modes, conc, prompts, args.max_tokens, args.min_requests, args.time_limit, out)
+        run_bench(
+            args.url, modes, conc, prompts, args.max_tokens, args.min_requests, args.time_limit, out,
+            repeats=args.repeats,
+        )  # fmt: skip
         return 0
     engines = Path(args.engines)
     if not (engines / "manifest.json").exists():
@@ -428,6 +479,7 @@ def cmd_bench(args) -> int:
         run_bench(
             f"127.0.0.1:{server.grpc_port}", modes, conc, prompts, args.max_tokens, args.min_requests,
             args.time_limit, out, f"http://127.0.0.1:{server.metrics_port}/metrics", server.proc.pid, meta,
+            repeats=args.repeats,
         )  # fmt: skip
     finally:
         server.stop()

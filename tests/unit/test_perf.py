@@ -1,0 +1,28 @@
+"""Pure parts of the benchmark tooling."""
+
+import pytest
+
+from perf.bench import combine, goals
+
+
+def _run(mode, c, agg, k, **extra):
+    return {"mode": mode, "concurrency": c, "requests": 3, "errors": 0, "error_sample": [], "tokens": 100,
+            "wall_s": 2.0, "per_user_tps": agg / c, "aggregate_tps": agg, "tau": None, "overhead": 0.1,
+            "peak_rss_mb": 100.0 + k, "repeat": k, **extra}  # fmt: skip
+
+
+def test_combine_takes_medians_sums_counts_and_keeps_the_largest_peak_memory():
+    single = [
+        _run("off", 1, 40.0, 0), _run("dspark", 1, 30.0, 0), _run("dspark", 1, 50.0, 1),
+        _run("off", 1, 20.0, 1), _run("off", 1, 41.0, 2), _run("dspark", 1, 10.0, 2, errors=1),
+    ]  # fmt: skip
+    rows = combine(single)
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [("off", 1), ("dspark", 1)]
+    off, ds = rows
+    assert (
+        off["aggregate_tps"] == 40.0 and ds["aggregate_tps"] == 30.0
+    )  # medians, an outlier does not move them
+    assert off["per_user_tps"] == 40.0 and off["tau"] is None  # None stays None
+    assert off["requests"] == 9 and ds["errors"] == 1 and off["wall_s"] == 6.0
+    assert off["peak_rss_mb"] == 102.0 and off["repeats"] == 3 and "repeat" not in off
+    assert goals(rows)["c1_dspark_aggregate_vs_best_fixed"] == pytest.approx(30.0 / 40.0)
