@@ -28,6 +28,10 @@ def add_parsers(sub) -> None:
     s.add_argument("--sps", default="perf/results/sps.json", help="SPS(B) table (else a quick startup probe)")
     s.add_argument("--default-mode", default="dspark")
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 'busy' errors")
+    s.add_argument(
+        "--prefill-budget", type=int, default=2048,
+        help="prompt tokens admitted (prefilled) per engine step, at least one request; 0 = no limit",
+    )  # fmt: skip
     s.add_argument("--render-only", action="store_true", help="render + validate the repository, then exit")
     s.set_defaults(fn=serve)
 
@@ -53,6 +57,7 @@ def serve(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             default_mode=args.default_mode,
             max_queue=args.max_queue,
+            prefill_budget=args.prefill_budget,
             sps_path=str(Path(args.sps).resolve()) if Path(args.sps).exists() else "",
         )
         validate(Path(args.repository), require_files=args.profile == "cpu")

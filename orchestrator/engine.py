@@ -145,6 +145,7 @@ class Engine:
         max_queue: int = 64,
         metrics: ServingMetrics | None = None,
         drafter_retry_s: float = 10.0,
+        prefill_budget: int = 2048,
     ) -> None:
         self.target = target
         self.drafter = _GuardedDrafter(drafter) if drafter is not None else None
@@ -154,6 +155,9 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics or ServingMetrics(drafter.block_size if drafter is not None else 7)
         self.drafter_retry_s = drafter_retry_s
+        # prompt tokens prefilled per step (at least one request): 32 prompts arriving together
+        # would otherwise be one ~10k-token target call that every active stream waits behind
+        self.prefill_budget = prefill_budget
         self.drafter_down_until = 0.0  # monotonic time before which new requests do not draft
         self.queue: deque[_Entry] = deque()
         self.active: list[_Entry] = []
@@ -339,7 +343,12 @@ class Engine:
 
     def _admit(self) -> None:
         new: dict[bool, list[_Entry]] = {True: [], False: []}
+        tokens = 0
         while self.queue and self._free() > 0:
+            n = len(self.queue[0].live.req.prompt_ids)
+            if self.prefill_budget and tokens and tokens + n > self.prefill_budget:
+                break  # the rest waits for the next step's budget
+            tokens += n
             e = self.queue.popleft()
             try:
                 e.live.slot = self.target.allocate()

@@ -53,6 +53,7 @@ def render(
     sps_path: str = "",
     max_queue: int = 64,
     drafter_retry_s: float = 10.0,
+    prefill_budget: int = 2048,
 ) -> list[str]:
     """Write the repository; returns the model names (load them all)."""
     if profile not in PROFILES:
@@ -72,6 +73,7 @@ def render(
         "sps_path": str(sps_path),
         "max_queue": str(max_queue),
         "drafter_retry_s": str(drafter_retry_s),
+        "prefill_budget": str(prefill_budget),
     }
     models = ["target", "dspark"]
     meta_path = engines_dir / "drafter_meta.json"

@@ -4,6 +4,7 @@ Parameters (rendered into every config.pbtxt by orchestrator/repository.py):
   code_root, engines_dir (a `make engines` build), target_dir (tokenizer + chat template),
   num_slots, max_len, threads, runtime (onnxruntime | tensorrt), and for `dspark`:
   max_active, max_queue (requests waiting for a slot before new ones get a "busy" error),
+  prefill_budget (prompt tokens admitted per step; 0 = no limit),
   max_new_tokens, default_mode, drafter_retry_s (seconds before new requests try a failed
   drafter again), sps_path (a `dspark sps` table; empty or missing = measure a quick one at
   startup through the target's probe entry, said in the log and in metric dspark_sps_table).
@@ -139,6 +140,7 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
         max_queue=int(params.get("max_queue", 64)),
         metrics=metrics,
         drafter_retry_s=float(params.get("drafter_retry_s", 10)),
+        prefill_budget=int(params.get("prefill_budget", 2048)),
     )
     if sps_path and sps is None:
         log.warning("SPS table %s does not exist: measuring a quick one at the first request", sps_path)

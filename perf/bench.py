@@ -430,6 +430,9 @@ def add_parser(sub) -> None:
     b.add_argument(
         "--repeats", type=int, default=2, help="runs per cell (alternating mode order); the median is kept"
     )
+    b.add_argument(
+        "--prefill-budget", type=int, default=2048, help="the server's prompt tokens per step (0 = no limit)"
+    )
     b.add_argument("--out", default="perf/results/bench.json")
     b.set_defaults(fn=cmd_bench)
 
@@ -460,6 +463,7 @@ def cmd_bench(args) -> int:
     models = render(
         "cpu", repo, engines, _target_dir("smollm2-135m-instruct"), num_slots=max(conc), max_len=1024,
         threads=args.threads, max_queue=4 * max(conc), sps_path=str(sps.resolve()) if sps.exists() else "",
+        prefill_budget=args.prefill_budget,
     )  # fmt: skip
     server = Server.on_free_ports(repo, models, REPO / "build" / "logs" / "bench.log")
     try:
@@ -472,6 +476,7 @@ def cmd_bench(args) -> int:
             "sps_table": str(sps) if sps.exists() else "quick startup probe",
             "slots": max(conc),
             "threads": args.threads,
+            "prefill_budget": args.prefill_budget,
             "engines": str(engines),
             "command": "dspark bench " + " ".join(sys.argv[2:]),
             "cpu_count": os.cpu_count(),

@@ -279,3 +279,24 @@ def test_dspark_skip_refreshes_back_off_while_drafting_does_not_pay_and_reset_wh
     eng.drafter.seconds = 0.0  # now a draft call is free: the next refresh pays and resets the interval
     eng.run_until_idle(200)
     assert sink.out == plain
+
+
+def test_prefill_budget_staggers_admission_and_keeps_the_tokens():
+    """Prompts of 3, 5, 7, 9, 11 tokens with a budget of 8 prompt tokens per step: the first
+    step admits 3 + 5, then 7 alone, then 9 alone (a prompt above the budget is still admitted
+    when it is the step's first); budget 0 admits everything at once. Same tokens either way."""
+    target = tiny_target()
+    reqs = _reqs(5, max_tokens=6)
+    plain = [r.tokens for r in generate(TargetRunner(target, 5, 96), reqs)]
+    for budget, admitted in ((8, [2, 3, 4]), (0, [5, 5, 5])):
+        eng = Engine(TargetRunner(target, 5, 96), None, None, None, 5, prefill_budget=budget)
+        sinks = [Collect() for _ in reqs]
+        for r, s in zip(reqs, sinks):
+            eng.submit(r, "off", s)
+        seen = []
+        for _ in range(3):
+            eng.step()
+            seen.append(len(eng.active) + sum(s.result is not None for s in sinks))
+        assert seen == admitted
+        eng.run_until_idle(100)
+        assert [s.out for s in sinks] == plain
