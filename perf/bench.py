@@ -20,7 +20,7 @@ Reported per cell (perf/results/bench.json + .csv):
                    i.e. the share of a round spent in BLS transport, Python, scheduling, sampling;
                    split per step into model_ms, bls_transport_ms (time inside BLS calls minus
                    the models' compute) and python_ms (everything outside BLS calls)
-Plots: bench_pareto.png (per-user vs aggregate tok/s, a line per mode) and bench_verify_len.png
+Plots: <out stem>_pareto.png (per-user vs aggregate tok/s, a line per mode) and <out stem>_verify_len.png
 (mean ℓ vs concurrency). `goals` in the JSON evaluates the issue's ratios on this run.
 """
 
@@ -248,7 +248,9 @@ def goals(runs: list[dict]) -> dict:
     return out
 
 
-def plot(result: dict, folder: Path) -> list[Path]:
+def plot(result: dict, folder: Path, stem: str = "bench") -> list[Path]:
+    """<stem>_pareto.png and <stem>_verify_len.png beside the JSON (named after it, so a partial
+    sweep written elsewhere never replaces another sweep's plots)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,7 +271,7 @@ def plot(result: dict, folder: Path) -> list[Path]:
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
-    p1 = folder / "bench_pareto.png"
+    p1 = folder / f"{stem}_pareto.png"
     fig.savefig(p1, dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -284,7 +286,7 @@ def plot(result: dict, folder: Path) -> list[Path]:
     ax.set_ylabel("mean verification length ℓ per round")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    p2 = folder / "bench_verify_len.png"
+    p2 = folder / f"{stem}_verify_len.png"
     fig.savefig(p2, dpi=110)
     plt.close(fig)
     return [p1, p2]
@@ -401,7 +403,7 @@ def run_bench(
     result["goals"] = goals(result["runs"])
     if out is not None:
         write(result, out)
-        plots = plot(result, out.parent)
+        plots = plot(result, out.parent, out.stem)
         log(f"[bench] wrote {out}, {out.with_suffix('.csv')}, " + ", ".join(map(str, plots)))
     return result
 
