@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from dspark.drafter import Drafter, DraftModelMixin, Proposal
-from dspark.sampling import sample, uniforms, warp
+from dspark.sampling import sample, uniforms, warp_rows
 from dspark.target import (
     MASK_VALUE,
     MLP,
@@ -353,18 +353,15 @@ def sample_block(head_step, U, h, prev, draft_vocab, vocab_size, params, gens, u
     probs = torch.zeros(R, G, len(draft_vocab))  # q over the draft vocabulary; zero elsewhere
     conf = torch.zeros(R, G)
     state = None
-    greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
-    g_rows = torch.nonzero(greedy).flatten()
-    others = torch.nonzero(~greedy).flatten().tolist()
+    g_rows = torch.tensor([r for r, p in enumerate(params) if p.greedy], dtype=torch.long)
+    others = [r for r, p in enumerate(params) if not p.greedy]
     for k in range(G):
         z, c, state = head_step(U[:, k], h[:, k], prev, state)
         conf[:, k] = c.float()
-        if len(g_rows):  # greedy rows at once: warp is the one-hot of the argmax, sampling returns it
-            top = z[g_rows].float().argmax(-1)
-            probs[g_rows, k, top] = 1.0
-            index[g_rows, k] = top
+        probs[:, k] = warp_rows(z, params)
+        if len(g_rows):  # a greedy row's q is a one-hot: inverse-CDF sampling returns its 1
+            index[g_rows, k] = probs[g_rows, k].argmax(-1)
         for r in others:
-            probs[r, k] = warp(z[r], params[r])
             index[r, k] = sample(probs[r, k], us[r, k])
         prev = index[:, k]
     return Proposal(draft_vocab[index], probs, conf, vocab=draft_vocab, index=index)
