@@ -104,22 +104,29 @@ def test_commit_never_exceeds_max_tokens():
     assert (c.tokens, c.finished) == ([4, 8], True)
 
 
-def test_compact_draft_distributions_verify_exactly_like_dense_ones():
-    """Proposal's compact form (q over a draft vocabulary + indices) gives the same verdicts as
-    the same q scattered over the full vocabulary, for every row, length and uniform."""
+def _random_round(g, R, G, V, vocab, max_len):
+    """A random compact proposal over `vocab`, target distributions over γ + 1 positions,
+    lengths in [0, max_len] and uniforms: (proposal, p, lengths, u)."""
     from dspark.drafter import Proposal
     from dspark.sampling import sample
 
+    q = torch.softmax(torch.randn(R, G, len(vocab), generator=g) * 2, -1)
+    index = sample(q, torch.rand(R, G, generator=g))
+    prop = Proposal(vocab[index], q, torch.zeros(R, G), vocab=vocab, index=index)
+    p = torch.softmax(torch.randn(R, G + 1, V, generator=g) * 2, -1)
+    lengths = torch.randint(0, max_len + 1, (R,), generator=g)
+    return prop, p, lengths, torch.rand(R, G + 1, generator=g)
+
+
+def test_compact_draft_distributions_verify_exactly_like_dense_ones():
+    """Proposal's compact form (q over a draft vocabulary + indices) gives the same verdicts as
+    the same q scattered over the full vocabulary, for every row, length and uniform."""
     g = torch.Generator().manual_seed(0)
     R, G, V = 6, 5, 40
     vocab = torch.randperm(V, generator=g)[:12]
     for _ in range(20):
-        q = torch.softmax(torch.randn(R, G, len(vocab), generator=g) * 2, -1)
-        index = sample(q, torch.rand(R, G, generator=g))
-        prop = Proposal(vocab[index], q, torch.zeros(R, G), vocab=vocab, index=index)
-        p = torch.softmax(torch.randn(R, G + 1, V, generator=g) * 2, -1)
-        lengths = torch.randint(0, G + 1, (R,), generator=g)
-        u = torch.rand(R, G + 1, generator=g)
+        prop, p, lengths, u = _random_round(g, R, G, V, vocab, G)
+        q, index = prop.probs, prop.index
         dense = chain_verify(prop.tokens, prop.dense_probs(V), p, lengths, u)
         compact = chain_verify(prop.tokens, q, p, lengths, u, vocab, index)
         assert torch.equal(dense.accepted, compact.accepted)
@@ -131,19 +138,12 @@ def test_target_probs_over_max_length_plus_one_positions_verify_like_the_full_bl
     gives the same verdicts, dense and compact; fewer positions than some ℓ needs is an error."""
     import pytest
 
-    from dspark.drafter import Proposal
-    from dspark.sampling import sample
-
     g = torch.Generator().manual_seed(1)
     R, G, V = 5, 6, 30
     vocab = torch.randperm(V, generator=g)[:10]
     for trial in range(40):
-        q = torch.softmax(torch.randn(R, G, len(vocab), generator=g) * 2, -1)
-        index = sample(q, torch.rand(R, G, generator=g))
-        prop = Proposal(vocab[index], q, torch.zeros(R, G), vocab=vocab, index=index)
-        p = torch.softmax(torch.randn(R, G + 1, V, generator=g) * 2, -1)
-        lengths = torch.randint(0, 1 + trial % (G + 1), (R,), generator=g)
-        u = torch.rand(R, G + 1, generator=g)
+        prop, p, lengths, u = _random_round(g, R, G, V, vocab, trial % (G + 1))
+        q, index = prop.probs, prop.index
         n = int(lengths.max()) + 1
         full = chain_verify(prop.tokens, prop.dense_probs(V), p, lengths, u)
         for got in (
