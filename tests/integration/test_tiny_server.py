@@ -317,6 +317,39 @@ def test_cancelled_or_disconnected_clients_free_their_slots(tiny, server, cancel
     assert server.alive()
 
 
+_HTTP_CLIENT = """
+import http.client, json, os, sys
+port, prompt = int(sys.argv[1]), [int(t) for t in sys.argv[2].split(",")]
+c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+body = json.dumps({"input_ids": prompt, "max_tokens": 60, "mode": "off"})
+c.request("POST", "/v2/models/dspark/generate_stream", body, {"Content-Type": "application/json"})
+r = c.getresponse()
+assert r.status == 200, r.status
+first = r.readline()  # the first server-sent event: the request is decoding
+assert first.startswith(b"data:"), first
+os._exit(0)  # the HTTP connection goes away mid-stream
+"""
+
+
+def test_an_http_stream_whose_client_disconnects_frees_its_slots(tiny, server):
+    """Over HTTP generate_stream (no gRPC stream to cancel): the dropped connection cancels the
+    request, every slot comes back, and the server keeps serving."""
+    import subprocess
+    import sys
+
+    key = 'dspark_requests_total{model="dspark",outcome="%s"}'
+    before = {o: _metrics(server).get(key % o, 0.0) for o in ("cancelled", "finished")}
+    prompt = _long_prompt(tiny[0])
+    args = [sys.executable, "-c", _HTTP_CLIENT, str(server.http_port), ",".join(map(str, prompt))]
+    subprocess.run(args, check=True, timeout=60)
+    m = _settled(server)
+    # Triton reports the closed connection as a cancellation: freed before the 60 tokens ran out
+    after = {o: m.get(key % o, 0.0) for o in ("cancelled", "finished")}
+    assert after == {"cancelled": before["cancelled"] + 1, "finished": before["finished"]}, (before, after)
+    res = _stream(f"127.0.0.1:{server.grpc_port}", [_ids_request(prompt, 8, "static:3", "after")])
+    assert res["after"]["error"] is None and server.alive()
+
+
 def test_unloading_the_drafter_falls_back_to_target_only_and_reloading_recovers(tiny, server):
     import tritonclient.grpc as grpcclient
 
