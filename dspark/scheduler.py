@@ -155,6 +155,8 @@ class SPSTable:
         """Vectorised SPS(B)."""
         return 1.0 / self._step_time_array(b)
 
+    MONOTONE_FIT = "isotonic (step time non-decreasing in B)"  # meta["fit"] of a `monotone` table
+
     def monotone(self) -> SPSTable:
         """The least-squares fit of the step times that never decreases with B (isotonic
         regression, pool-adjacent-violators), as a new table.
@@ -171,9 +173,7 @@ class SPSTable:
                 blocks[-1][0] += s
                 blocks[-1][1] += n
         fitted = [s / n for s, n in blocks for _ in range(int(n))]
-        return SPSTable.from_step_times(
-            self.batch_tokens, fitted, {**self.meta, "fit": "isotonic (step time non-decreasing in B)"}
-        )
+        return SPSTable.from_step_times(self.batch_tokens, fitted, {**self.meta, "fit": self.MONOTONE_FIT})
 
     @classmethod
     def from_step_times(

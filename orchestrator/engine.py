@@ -52,6 +52,10 @@ from orchestrator.metrics import ServingMetrics
 log = logging.getLogger("dspark.orchestrator")
 
 
+SKIP_REFRESH = 4  # dspark-skip: rounds without drafting before requests draft again, together
+SKIP_REFRESH_MAX = 32  # a refresh that keeps showing drafting does not pay backs off up to this
+
+
 class Busy(RuntimeError):
     """The queue is full: the client should retry later."""
 
@@ -129,7 +133,7 @@ class _Entry:
     fallback: str | None = None  # why a speculative request continues target-only
     traced: int = 0  # rounds of live.trace already reported to the metrics
     skipped: int = 0  # consecutive rounds this request did not draft (dspark-skip)
-    refresh: int = 4  # dspark-skip: rounds without drafting before a refresh (Engine._plan_drafting)
+    refresh: int = SKIP_REFRESH  # dspark-skip: rounds without drafting before a refresh (_plan_drafting)
 
 
 class Engine:
@@ -249,8 +253,8 @@ class Engine:
         self._deliver()
         self.metrics.occupancy(len(self.active), len(self.queue), self._free_slots())
 
-    SKIP_REFRESH = 4  # requests that skipped this many rounds draft again (fresh confidences) together
-    SKIP_REFRESH_MAX = 32  # a refresh that keeps showing drafting does not pay backs off up to this
+    SKIP_REFRESH = SKIP_REFRESH
+    SKIP_REFRESH_MAX = SKIP_REFRESH_MAX
 
     def _plan_drafting(self, policy, entries: list[_Entry]) -> np.ndarray:
         """dspark-skip: which requests draft this round, from stale confidences only.

@@ -393,14 +393,10 @@ def run_bench(
             single.append({**r, "repeat": k})
             bar.set_postfix(mode=m, c=c, agg=f"{r['aggregate_tps']:.1f}", user=f"{r['per_user_tps']:.1f}")
             bar.update()
+            result.update(runs=combine(single), repeat_runs=single if repeats > 1 else [])
+            result["goals"] = goals(result["runs"])
             if out is not None:  # partial results survive an interruption
-                result["runs"] = combine(single)
-                result["repeat_runs"] = single if repeats > 1 else []
-                result["goals"] = goals(result["runs"])
                 write(result, out)
-    result["runs"] = combine(single)
-    result["repeat_runs"] = single if repeats > 1 else []
-    result["goals"] = goals(result["runs"])
     if out is not None:
         write(result, out)
         plots = plot(result, out.parent, out.stem)

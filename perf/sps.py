@@ -210,7 +210,8 @@ def run_sweep(
         "passes": passes,
     }
     first = curves[0]
-    table = SPSTable(tuple(first["batch_tokens"]), tuple(first["steps_per_second"]), meta).monotone()
+    # the first curve is already the monotone fit (summarise): the table is it, labelled so
+    table = SPSTable(first["batch_tokens"], first["steps_per_second"], {**meta, "fit": SPSTable.MONOTONE_FIT})
     result = {**table.to_dict(), "curves": curves, "points": points}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
