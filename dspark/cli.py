@@ -248,6 +248,9 @@ def cmd_data(args: argparse.Namespace) -> int:
         return 2
     prompts = interleave([read_prompts(src / f"{p}.jsonl") for p in TRAIN_POOLS])
     loaded = load_target(args.target)
+    if args.references:
+        cache = "artifacts/cache-ref" if args.cache in ("", "artifacts/cache") else args.cache
+        return _reference_corpus(loaded, src, Path(args.references), Path(cache))
     out, seed_from = Path(args.out), Path(args.seed_from) if args.seed_from else None
     if seed_from is not None and seed_from.exists() and not out.exists():
         import gzip
@@ -277,6 +280,37 @@ def cmd_data(args: argparse.Namespace) -> int:
         limit=args.limit,
     )
     return 0
+
+
+def _reference_corpus(loaded, src: Path, out: Path, cache: Path) -> int:
+    """Teacher-forced corpus (issue 12): the large pools' `reference` answers as answer records,
+    then their target cache (one prefill pass each, no generation)."""
+    from dspark.data import LARGE_POOLS, balanced, build_cache, read_answers, reference_records
+
+    missing = [p for p in LARGE_POOLS if not (src / f"{p}.jsonl").exists()]
+    if missing:
+        print(f"error: pools {missing} not found in {src} (set DSPARK_SHARED)", file=sys.stderr)
+        return 2
+    if not out.exists():
+        recs = [r for p in LARGE_POOLS for r in reference_records(loaded, src / f"{p}.jsonl")]
+        order = {(p.pool, p.index): i for i, p in enumerate(balanced(_as_prompts(recs)))}
+        recs.sort(key=lambda r: order[(r["pool"], r["index"])])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        with tmp.open("w") as f:
+            for r in recs:
+                f.write(json.dumps(r) + "\n")
+        tmp.rename(out)
+    n = sum(1 for _ in read_answers(out))
+    print(f"[data] teacher-forced corpus: {n} reference answers in {out}; target cache in {cache}", flush=True)
+    build_cache(loaded, out, cache)
+    return 0
+
+
+def _as_prompts(recs: list[dict]):
+    from dspark.data import Prompt
+
+    return [Prompt(r["pool"], r["index"], "") for r in recs]
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -485,6 +519,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-generate",
         action="store_true",
         help="only unpack the committed answers and rebuild their target cache; generate nothing new",
+    )
+    dd.add_argument(
+        "--references",
+        default=None,
+        metavar="JSONL",
+        help="instead of generating: write the large pools' reference answers to JSONL and build their "
+        "target cache (teacher-forced corpus; --cache defaults to artifacts/cache-ref)",
     )
     dd.set_defaults(fn=cmd_data)
 

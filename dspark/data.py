@@ -28,6 +28,16 @@ from dspark.target import TargetRunner
 # SmolLM2-Instruct's model card recommends temperature 0.2, top-p 0.9.
 SMOLLM2_SAMPLING = dict(temperature=0.2, top_p=0.9)
 TRAIN_POOLS = ("gsm8k-train", "livecodebench", "arena-hard-v2")
+# The larger pools (issue 12): more prompts to answer, and a `reference` answer per record that
+# gives a teacher-forced corpus (target features of prompt + reference, no generation).
+LARGE_POOLS = ("gsm8k-train-full", "codealpaca")
+POOL_DOMAIN = {
+    "gsm8k-train": "math",
+    "gsm8k-train-full": "math",
+    "livecodebench": "code",
+    "codealpaca": "code",
+    "arena-hard-v2": "chat",
+}
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,48 @@ def interleave(pools: list[list[Prompt]]) -> list[Prompt]:
     for i in range(n):
         out.extend(p[i] for p in pools if i < len(p))
     return out
+
+
+def balanced(prompts: list[Prompt]) -> list[Prompt]:
+    """Round-robin over the domains (math / code / chat), each domain's pools in turn, so a
+    partial run covers every domain evenly even when one domain has far more prompts."""
+    by_domain: dict[str, dict[str, list[Prompt]]] = {}
+    for p in prompts:
+        by_domain.setdefault(POOL_DOMAIN.get(p.pool, p.pool), {}).setdefault(p.pool, []).append(p)
+    return interleave([interleave(list(pools.values())) for pools in by_domain.values()])
+
+
+def reference_records(loaded: LoadedTarget, path: Path, max_answer_tokens: int = 384) -> list[dict]:
+    """Answer-like records of a pool's `reference` answers (teacher-forced corpus): the same
+    fields as a regenerated answer (prompt in the chat template, answer ids ending with the
+    end-of-turn token unless cut at max_answer_tokens), `finish` = "reference"."""
+    stop = min(loaded.stop_ids)
+    out = []
+    for p, rec in zip(read_prompts(path), _records(path)):
+        ref = rec.get("reference")
+        if not ref:
+            continue
+        ids = loaded.tokenizer(ref, add_special_tokens=False)["input_ids"]
+        ids = ids[:max_answer_tokens] if len(ids) >= max_answer_tokens else ids + [stop]
+        out.append(
+            {
+                "key": p.key,
+                "pool": p.pool,
+                "index": p.index,
+                "prompt_ids": loaded.chat_ids(p.text),
+                "answer_ids": ids,
+                "answer": ref,
+                "finish": "reference",
+            }
+        )
+    return out
+
+
+def _records(path: Path) -> Iterator[dict]:
+    with path.open() as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
 
 
 def read_answers(path: Path) -> Iterator[dict]:
