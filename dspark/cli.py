@@ -247,6 +247,11 @@ def cmd_data(args: argparse.Namespace) -> int:
         print(f"error: training prompts {missing} not found in {src} (set DSPARK_SHARED)", file=sys.stderr)
         return 2
     prompts = interleave([read_prompts(src / f"{p}.jsonl") for p in TRAIN_POOLS])
+    if args.pools == "all":
+        from dspark.data import LARGE_POOLS, balanced
+
+        pools = [p for p in (*TRAIN_POOLS, *LARGE_POOLS) if (src / f"{p}.jsonl").exists()]
+        prompts = balanced([q for p in pools for q in read_prompts(src / f"{p}.jsonl")])
     loaded = load_target(args.target)
     if args.references:
         cache = "artifacts/cache-ref" if args.cache in ("", "artifacts/cache") else args.cache
@@ -269,6 +274,16 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.no_generate:
         print("[data] --no-generate: using the answers already there (run `make data` to generate the rest)")
         return 0
+    runner = None
+    if args.engines:
+        from engines.ort import OrtTargetRunner, session
+
+        onnx = Path(args.engines) / "target.opt.onnx"
+        if not onnx.exists():
+            print(f"error: no target engine in {args.engines}: run `make engines` first", file=sys.stderr)
+            return 2
+        max_len = args.max_prompt_tokens + args.max_new_tokens + 1
+        runner = OrtTargetRunner(session(onnx, args.threads), loaded.model.cfg, args.batch, max_len)
     regenerate(
         loaded,
         prompts,
@@ -278,6 +293,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
         limit=args.limit,
+        runner=runner,
     )
     return 0
 
@@ -519,6 +535,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-generate",
         action="store_true",
         help="only unpack the committed answers and rebuild their target cache; generate nothing new",
+    )
+    dd.add_argument(
+        "--engines",
+        default=None,
+        help="generate on the ONNX Runtime target engine of this build folder (make engines) "
+        "instead of the PyTorch model",
+    )
+    dd.add_argument(
+        "--pools",
+        default="original",
+        choices=["original", "all"],
+        help="original: the three first pools; all: every pool in train_prompts, balanced over "
+        "math / code / chat",
     )
     dd.add_argument(
         "--references",

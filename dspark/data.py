@@ -152,6 +152,7 @@ def regenerate(
     max_prompt_tokens: int = 768,
     params: SamplingParams | None = None,
     limit: int | None = None,
+    runner=None,
 ) -> None:
     """Answer every prompt not yet in out_path (plain JSONL, appended line by line).
 
@@ -159,7 +160,10 @@ def regenerate(
     generation already computes the tapped features, the final hidden state and the logits of
     each fed position, so they are stored as they come (one .npz per sample, written before its
     JSONL line; the last answer token is never fed, so a sample of T tokens has T−1 positions).
-    Prompts longer than max_prompt_tokens are skipped (and listed once)."""
+    Prompts longer than max_prompt_tokens are skipped (and listed once). `runner` is any target
+    runner with `batch` slots and room for max_prompt_tokens + max_new_tokens + 1 positions (the
+    ONNX Runtime engine, engines.ort.OrtTargetRunner, is the fast one); default: the PyTorch
+    TargetRunner."""
     from tqdm import tqdm
 
     params = params or SamplingParams(**SMOLLM2_SAMPLING)
@@ -183,7 +187,8 @@ def regenerate(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
-    runner = TargetRunner(loaded.model, num_slots=batch, max_len=max_prompt_tokens + max_new_tokens + 1)
+    if runner is None:
+        runner = TargetRunner(loaded.model, num_slots=batch, max_len=max_prompt_tokens + max_new_tokens + 1)
     stop = loaded.stop_ids
     queue = list(reversed(todo))
     active: list[_Seq] = []
