@@ -5,7 +5,7 @@ PYTEST  := $(PY) -m pytest
 export OMP_NUM_THREADS ?= 2
 SHARED  ?= $(or $(DSPARK_SHARED),../shared)
 
-.PHONY: setup demo test test-fast test-slow lint clean data train eval engines serve sps bench
+.PHONY: setup demo test test-fast test-slow test-integration lint clean data train eval engines serve sps bench
 
 setup:
 	@bash scripts/setup.sh
@@ -16,14 +16,19 @@ demo: setup
 	@[ -f build/engines/manifest.json ] || $(PY) -m dspark.cli engines --drafter dspark --out build/engines
 	$(PY) -m dspark.cli demo --engines build/engines
 
+# tests/unit: tiny models, no server (a few minutes); tests/slow: the real SmolLM2 target;
+# tests/integration: a real tritonserver on 127.0.0.1.
 test: setup
 	$(PYTEST) -q tests
 
 test-fast: setup
-	$(PYTEST) -q tests -m "not slow"
+	$(PYTEST) -q tests/unit
 
 test-slow: setup
-	$(PYTEST) -q tests -m slow
+	$(PYTEST) -q tests/slow
+
+test-integration: setup
+	$(PYTEST) -q tests/integration
 
 # Drafters (issue 3): regenerate training answers + target cache (resumable), train, evaluate.
 data: setup
@@ -67,20 +72,21 @@ serve: setup
 	@[ -f build/engines/manifest.json ] || $(MAKE) engines
 	$(PY) -m dspark.cli serve --engines build/engines
 
-# SPS(B) through perf_analyzer on the target's probe entry → perf/results/sps.json + sps.png
+# SPS(B) through perf_analyzer on the target's probe entry → results/sps.json + sps.png
 sps: setup
 	@[ -f build/engines/manifest.json ] || $(MAKE) engines
 	$(PY) -m dspark.cli sps --engines build/engines
 
-# Concurrency × mode sweep of streaming clients → perf/results/bench.{json,csv} + plots
+# Concurrency × mode sweep of streaming clients → results/bench.{json,csv} + plots
 BENCH_TOKENS ?= 64
 bench: setup
 	@[ -f build/engines/manifest.json ] || $(MAKE) engines
 	$(PY) -m dspark.cli bench --engines build/engines --max-tokens $(BENCH_TOKENS)
 
 lint: setup
-	$(PY) -m ruff check dspark export engines orchestrator model_repository perf tests
-	$(PY) -m ruff format --check dspark export engines orchestrator model_repository perf tests
+	$(PY) -m ruff check dspark tests
+	$(PY) -m ruff format --check dspark tests
+	$(PY) -m mypy dspark/core
 
 clean:
 	rm -rf build artifacts .pytest_cache

@@ -3,9 +3,20 @@ import os
 import pytest
 import torch
 
-from dspark.target import LlamaTarget, TargetConfig
+from dspark.models.target import LlamaTarget, TargetConfig
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The folder is the kind: tests/slow needs the real SmolLM2 target (minutes on 2 cores),
+    tests/integration starts a real tritonserver on 127.0.0.1; tests/unit needs neither."""
+    for item in items:
+        parts = item.path.parts
+        if "slow" in parts:
+            item.add_marker(pytest.mark.slow)
+        if "integration" in parts:
+            item.add_marker(pytest.mark.integration)
 
 TINY = TargetConfig(
     vocab_size=61,
@@ -45,9 +56,9 @@ def perturbed_copy(model: LlamaTarget, scale: float, seed: int = 1) -> LlamaTarg
 def real_engines(tmp_path_factory):
     """SmolLM2 + the shipped DSpark drafter built into ORT engines once per test session
     (buckets 1, 4, 8; context 1024): (LoadedTarget, engines folder)."""
-    from dspark.models import load_target
-    from dspark.pipeline import SHIPPED, load_drafter
-    from engines.build import BuildConfig, Builder, build_drafter, build_target, sha256_tensors
+    from dspark.engines.build import BuildConfig, Builder, build_drafter, build_target, sha256_tensors
+    from dspark.models.loading import load_target
+    from dspark.training.pipeline import SHIPPED, load_drafter
 
     if not (SHIPPED / "dspark" / "drafter.json").exists():
         pytest.fail("the shipped DSpark drafter is missing from drafters/dspark: run `make train`")

@@ -13,10 +13,10 @@ import itertools
 import numpy as np
 import torch
 
-from dspark.drafter import Drafter, Proposal
-from dspark.sampling import SamplingParams, sample, uniforms, warp
-from dspark.scheduler import Policy, SPSTable, candidate_order, prefix_survival
-from dspark.target import TargetStep
+from dspark.core.interfaces import Drafter, Proposal, TargetStep
+from dspark.core.sampling import SamplingParams, sample, uniforms, warp
+from dspark.core.scheduler import Policy, candidate_order, prefix_survival
+from dspark.core.sps import SPSTable
 
 
 class BigramTarget:

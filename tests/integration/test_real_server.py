@@ -7,13 +7,15 @@ request served alone; every slot comes back."""
 import numpy as np
 import pytest
 
-from dspark.cli import first_turn, shared_dir
-from dspark.models import DEFAULT_TARGET
-from dspark.reference import Request, generate
-from dspark.target import TargetRunner
-from orchestrator.cli import _target_dir
-from orchestrator.repository import render
-from orchestrator.server import Server
+from dspark.core.interfaces import Request
+from dspark.core.reference import generate
+from dspark.model_repository.render import render
+from dspark.models.loading import DEFAULT_TARGET
+from dspark.models.loading import target_dir as _target_dir
+from dspark.models.target import TargetRunner
+from dspark.paths import shared_dir
+from dspark.prompts import first_turn
+from dspark.serving.launcher import Server
 from tests.integration.test_tiny_server import _metrics, _stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.reference import Request, generate
-from dspark.target import TargetRunner
-from orchestrator.metrics import parse_prometheus
-from orchestrator.repository import RenderError, render, validate
-from orchestrator.server import Server, free_port
+from dspark.core.interfaces import Request
+from dspark.core.reference import generate
+from dspark.model_repository.render import RenderError, render, validate
+from dspark.models.target import TargetRunner
+from dspark.orchestrator.metrics import parse_prometheus
+from dspark.serving.launcher import Server, free_port
 from tests.conftest import TINY
 from tests.unit.test_engines import _build, _target32
 
@@ -391,7 +392,7 @@ def test_sigterm_stops_the_server_cleanly_and_a_restart_serves_again(tiny, serve
 
 
 def test_perf_analyzer_measures_the_probe_entry(server, tmp_path):
-    from perf.sps import measure_point, parse_csv
+    from dspark.perf.sps import measure_point, parse_csv
 
     url = f"127.0.0.1:{server.grpc_port}"
     pts = [measure_point(url, b, 16, tmp_path, request_count=20, vocab=TINY.vocab_size) for b in (1, 8)]
@@ -406,7 +407,7 @@ def test_perf_analyzer_measures_the_probe_entry(server, tmp_path):
 def test_bench_sweeps_modes_and_writes_the_result_schema(tiny, server, tmp_path):
     import json as _json
 
-    from perf.bench import run_bench
+    from dspark.perf.bench import run_bench
 
     g = torch.Generator().manual_seed(4)
     prompts = [{"input_ids": torch.randint(1, TINY.vocab_size, (5,), generator=g).tolist()} for _ in range(4)]

@@ -4,14 +4,16 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.block_drafter import BlockDrafter, BlockDrafterRunner, DrafterConfig
-from dspark.data import Prompt, regenerate
-from dspark.models import LoadedTarget
-from dspark.reference import Request, generate
-from dspark.sampling import SamplingParams
-from dspark.scheduler import parse_policy
-from dspark.target import TargetRunner
-from dspark.train import Sequence, TrainConfig, block_loss, make_blocks, position_weights, train
+from dspark.core.interfaces import Request
+from dspark.core.reference import generate
+from dspark.core.sampling import SamplingParams
+from dspark.core.scheduler import parse_policy
+from dspark.models.block_drafter import BlockDrafter, BlockDrafterRunner, DrafterConfig
+from dspark.models.loading import LoadedTarget
+from dspark.models.losses import Sequence, block_loss, make_blocks, position_weights
+from dspark.models.target import TargetRunner
+from dspark.training.data import Prompt, regenerate
+from dspark.training.train import TrainConfig, train
 from tests.conftest import TINY, tiny_target
 from tests.unit.test_data import CharTokenizer
 
@@ -195,7 +197,7 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("mode", ["static:4", "dspark"])
 def test_greedy_with_a_vocabulary_subset_drafter_equals_target_greedy(mode):
-    from dspark.scheduler import SPSTable
+    from dspark.core.sps import SPSTable
 
     target = tiny_target(seed=3)
     g = torch.Generator().manual_seed(2)
@@ -253,7 +255,7 @@ def test_sampling_with_a_vocabulary_subset_drafter_is_lossless():
 
 
 def test_draft_vocabulary_is_frequency_ranked_and_keeps_stop_tokens():
-    from dspark.train import build_draft_vocab
+    from dspark.training.train import build_draft_vocab
 
     vocab, coverage = build_draft_vocab([[5, 5, 5, 7, 7, 9], [5, 7, 11]], size=3, must_include=[2])
     assert vocab.tolist() == [2, 5, 7]
@@ -263,8 +265,8 @@ def test_draft_vocabulary_is_frequency_ranked_and_keeps_stop_tokens():
 def test_sample_block_greedy_rows_at_once_equal_the_per_row_warp_and_sample():
     """sample_block handles greedy rows in one argmax; it must pick exactly what warp + sample
     pick row by row (ties included: both take the first maximum), next to sampled rows."""
-    from dspark.block_drafter import block_uniforms, sample_block
-    from dspark.sampling import SamplingParams, sample, warp
+    from dspark.core.sampling import SamplingParams, sample, warp
+    from dspark.models.block_drafter import block_uniforms, sample_block
 
     R, G, Vd = 6, 5, 23
     g = torch.Generator().manual_seed(5)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from dspark.calibration import (
+from dspark.core.calibration import (
     STS,
     auroc,
     brier,

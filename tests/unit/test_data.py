@@ -5,9 +5,9 @@ import json
 import numpy as np
 import torch
 
-from dspark.data import Prompt, read_answers, regenerate
-from dspark.models import LoadedTarget
-from dspark.target import TargetRunner
+from dspark.models.loading import LoadedTarget
+from dspark.models.target import TargetRunner
+from dspark.training.data import Prompt, read_answers, regenerate
 from tests.conftest import TINY, tiny_target
 
 
@@ -73,7 +73,7 @@ def test_captured_target_cache_equals_a_full_forward(tmp_path):
 
 
 def test_cache_rebuilt_from_answers_equals_the_cache_captured_during_generation(tmp_path):
-    from dspark.data import build_cache
+    from dspark.training.data import build_cache
 
     loaded = _loaded()
     regenerate(

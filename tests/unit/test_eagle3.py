@@ -5,14 +5,16 @@ import math
 import pytest
 import torch
 
-from dspark.data import Prompt, regenerate
-from dspark.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Runner
-from dspark.models import LoadedTarget
-from dspark.reference import Request, generate
-from dspark.sampling import SamplingParams, sample, uniforms
-from dspark.scheduler import parse_policy
-from dspark.target import TargetRunner
-from dspark.train import Sequence, TrainConfig, make_blocks, train
+from dspark.core.interfaces import Request
+from dspark.core.reference import generate
+from dspark.core.sampling import SamplingParams, sample, uniforms
+from dspark.core.scheduler import parse_policy
+from dspark.models.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Runner
+from dspark.models.loading import LoadedTarget
+from dspark.models.losses import Sequence, make_blocks
+from dspark.models.target import TargetRunner
+from dspark.training.data import Prompt, regenerate
+from dspark.training.train import TrainConfig, train
 from tests.conftest import TINY, tiny_target
 from tests.unit.test_data import CharTokenizer
 

@@ -3,12 +3,14 @@
 import pytest
 import torch
 
-from dspark.block_drafter import BlockDrafterRunner
-from dspark.reference import Request, generate
-from dspark.sampling import SamplingParams
-from dspark.scheduler import SPSTable, parse_policy
-from dspark.target import TargetRunner
-from orchestrator.engine import Busy, Engine
+from dspark.core.interfaces import Request
+from dspark.core.reference import generate
+from dspark.core.sampling import SamplingParams
+from dspark.core.scheduler import parse_policy
+from dspark.core.sps import SPSTable
+from dspark.models.block_drafter import BlockDrafterRunner
+from dspark.models.target import TargetRunner
+from dspark.orchestrator.engine import Busy, Engine
 from tests.conftest import TINY, tiny_target
 from tests.unit.test_block_drafter import _drafter
 

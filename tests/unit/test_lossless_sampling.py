@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from dspark.reference import Request, generate
-from dspark.sampling import SamplingParams
-from dspark.scheduler import Algorithm1, AsyncTopK, SPSTable, Static
+from dspark.core.interfaces import Request
+from dspark.core.reference import generate
+from dspark.core.sampling import SamplingParams
+from dspark.core.scheduler import Algorithm1, AsyncTopK, Static
+from dspark.core.sps import SPSTable
 from tests.synthetic import BigramDrafter, BigramTarget, RetrospectiveArgmax, exact_window_law
 
 P_TARGET = np.array([[0.50, 0.30, 0.20], [0.15, 0.60, 0.25], [0.35, 0.25, 0.40]])
@@ -113,16 +115,16 @@ def test_appendix_a_case_is_lossless_with_the_break_and_with_async(policy):
 
 def test_negative_control_detects_a_correction_drawn_from_p_instead_of_the_residual(monkeypatch):
     """A subtler lossy variant: after a rejection, sample the correction from p_n itself."""
-    import dspark.reference
-    from dspark.sampling import sample
-    from dspark.verify import chain_verify
+    import dspark.core.reference
+    from dspark.core.sampling import sample
+    from dspark.core.verify import chain_verify
 
     def lossy(draft_tokens, draft_probs, target_probs, lengths, u, *compact_form):
         v = chain_verify(draft_tokens, draft_probs, target_probs, lengths, u, *compact_form)
         v.next_token = sample(target_probs[np.arange(len(lengths)), v.accepted], u[:, -1])
         return v
 
-    monkeypatch.setattr(dspark.reference, "chain_verify", lossy)
+    monkeypatch.setattr(dspark.core.reference, "chain_verify", lossy)
     params = PARAMS["T=1"]
     outs, _ = _run(Algorithm1(SPS), params, N_SAMPLES, BATCH, MAX_TOKENS)
     assert _chi2_pvalue(outs, P_TARGET, params, *WINDOWS[0]) < 1e-6

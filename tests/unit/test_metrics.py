@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from dspark.metrics import AcceptanceStats, RoundRecord
+from dspark.core.metrics import AcceptanceStats, RoundRecord
 
 # Hand-worked batch (γ = 3), mixing proposal lengths, an ℓ = 0 round and a stopped round:
 #   round  proposed  accepted  stopped  committed

@@ -2,7 +2,7 @@
 
 import pytest
 
-from perf.bench import combine, goals
+from dspark.perf.bench import combine, goals
 
 
 def _run(mode, c, agg, k, **extra):

@@ -3,12 +3,14 @@
 import pytest
 import torch
 
-from dspark.calibration import STS
-from dspark.drafter import ModelDrafter
-from dspark.reference import Request, generate
-from dspark.sampling import SamplingParams
-from dspark.scheduler import SPSTable, parse_policy
-from dspark.target import TargetRunner
+from dspark.core.calibration import STS
+from dspark.core.interfaces import Request
+from dspark.core.reference import generate
+from dspark.core.sampling import SamplingParams
+from dspark.core.scheduler import parse_policy
+from dspark.core.sps import SPSTable
+from dspark.models.model_drafter import ModelDrafter
+from dspark.models.target import TargetRunner
 from tests.conftest import TINY, perturbed_copy, tiny_target
 
 GAMMA = 7

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from dspark.calibration import STS
-from dspark.report import ece_table, plot_conditional, plot_reliability, tau_table
+from dspark.core.calibration import STS
+from dspark.training.report import ece_table, plot_conditional, plot_reliability, tau_table
 
 
 def _eval(drafter, data, temp, tau):

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from dspark.sampling import SamplingParams, make_generator, sample, uniforms, warp
+from dspark.core.sampling import SamplingParams, make_generator, sample, uniforms, warp
 
 
 def test_greedy_warp_is_one_hot_of_first_argmax():
@@ -72,7 +72,7 @@ def test_invalid_sampling_params_are_refused(kwargs):
 
 
 def test_warp_rows_equals_warp_row_by_row_for_mixed_parameters():
-    from dspark.sampling import warp_rows
+    from dspark.core.sampling import warp_rows
 
     g = torch.Generator().manual_seed(2)
     logits = torch.randint(-2, 3, (6, 3, 17), generator=g).float()  # small integers: ties

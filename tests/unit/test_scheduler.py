@@ -1,4 +1,4 @@
-"""Tests for dspark.scheduler: SPS(B) lookup, Algorithm 1, asynchronous top-K and simple policies.
+"""Tests for dspark.core.scheduler: SPS(B) lookup, Algorithm 1, asynchronous top-K and simple policies.
 
 References: DSpark paper §3.2.2 (Algorithm 1), §5.2 (asynchronous scheduling), App. A
 (non-anticipation counterexample); digest /work/shared/reference/dspark-algorithm.md §5.
@@ -11,19 +11,19 @@ import itertools
 import numpy as np
 import pytest
 
-from dspark.scheduler import (
+from dspark.core.scheduler import (
     POLICY_NAMES,
     Algorithm1,
     AsyncTopK,
     Off,
     Policy,
-    SPSTable,
     Static,
     Threshold,
     candidate_order,
     parse_policy,
     prefix_survival,
 )
+from dspark.core.sps import SPSTable
 
 # ---------------------------------------------------------------------------------------------
 # Local references and generators (deliberately written as plain loops, not like the module)
@@ -626,7 +626,7 @@ def test_skip_drafting_plan_maximises_expected_tokens_per_second():
     expected gain) is never worse than drafting all or none, and matches the extremes."""
     import itertools
 
-    from dspark.scheduler import SkipDrafting, prefix_survival
+    from dspark.core.scheduler import SkipDrafting, prefix_survival
 
     sps = SPSTable.from_step_times([1, 8, 32], [0.010, 0.016, 0.040])
     pol = SkipDrafting(sps)
@@ -660,7 +660,7 @@ def test_skip_drafting_plan_maximises_expected_tokens_per_second():
 
 
 def test_sps_sweep_summary_takes_the_median_over_passes_and_fits_it_monotone():
-    from perf.sps import summarise
+    from dspark.perf.sps import summarise
 
     def pt(b, us, k):
         return {"batch_tokens": b, "context": 256, "compute_infer_us": us, "pass": k,

@@ -6,15 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.block_drafter import sample_block
-from dspark.reference import generate
-from dspark.sampling import SamplingParams
-from dspark.scheduler import SPSTable
-from dspark.target import TargetRunner
-from engines.ort import OrtDrafterRunner, OrtTargetRunner, draft_vocabulary, session
-from orchestrator.bls import RemoteDrafter, RemoteTarget
-from orchestrator.engine import Engine
-from orchestrator.services import DrafterBackboneService, DrafterHeadService, RequestError, TargetService
+from dspark.core.interfaces import RequestError
+from dspark.core.reference import generate
+from dspark.core.sampling import SamplingParams
+from dspark.core.sps import SPSTable
+from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, draft_vocabulary, session
+from dspark.model_repository.services import DrafterBackboneService, DrafterHeadService, TargetService
+from dspark.models.block_drafter import sample_block
+from dspark.models.target import TargetRunner
+from dspark.orchestrator.bls import RemoteDrafter, RemoteTarget
+from dspark.orchestrator.engine import Engine
 from tests.conftest import TINY
 from tests.unit.test_engine import Collect, _reqs
 from tests.unit.test_engines import _build, _target32

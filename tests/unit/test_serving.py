@@ -6,13 +6,14 @@ import time
 
 import numpy as np
 
-from dspark.block_drafter import BlockDrafterRunner
-from dspark.reference import Request, generate
-from dspark.scheduler import SPSTable
-from dspark.target import TargetRunner
-from orchestrator.engine import Engine
-from orchestrator.requests import Limits
-from orchestrator.serving import Detokenizer, Orchestrator
+from dspark.core.interfaces import Request
+from dspark.core.reference import generate
+from dspark.core.sps import SPSTable
+from dspark.models.block_drafter import BlockDrafterRunner
+from dspark.models.target import TargetRunner
+from dspark.orchestrator.engine import Engine
+from dspark.orchestrator.requests import Limits
+from dspark.orchestrator.streaming import Detokenizer, Orchestrator
 from tests.conftest import TINY, tiny_target
 from tests.unit.test_block_drafter import _drafter
 

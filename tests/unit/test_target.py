@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dspark.target import LlamaTarget, TargetConfig, TargetRunner
+from dspark.models.target import LlamaTarget, TargetConfig, TargetRunner
 from tests.conftest import TINY, tiny_target
 
 

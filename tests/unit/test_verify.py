@@ -1,6 +1,6 @@
 import torch
 
-from dspark.verify import chain_verify, commit_tokens
+from dspark.core.verify import chain_verify, commit_tokens
 
 
 def _one_position_law(p: torch.Tensor, q: torch.Tensor, grid: int = 300) -> torch.Tensor:
@@ -107,8 +107,8 @@ def test_commit_never_exceeds_max_tokens():
 def _random_round(g, R, G, V, vocab, max_len):
     """A random compact proposal over `vocab`, target distributions over γ + 1 positions,
     lengths in [0, max_len] and uniforms: (proposal, p, lengths, u)."""
-    from dspark.drafter import Proposal
-    from dspark.sampling import sample
+    from dspark.core.interfaces import Proposal
+    from dspark.core.sampling import sample
 
     q = torch.softmax(torch.randn(R, G, len(vocab), generator=g) * 2, -1)
     index = sample(q, torch.rand(R, G, generator=g))

@@ -1,0 +1,1 @@
+"""The algorithm core: pure modules with no model, engine or server in them."""

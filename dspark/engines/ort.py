@@ -1,0 +1,297 @@
+"""ONNX Runtime engines behind the reference loop's interfaces.
+
+`OrtTargetRunner` is a drop-in for dspark.target.TargetRunner and `OrtDrafterRunner` for
+dspark.block_drafter.BlockDrafterRunner, so `dspark.reference.generate` runs unchanged on
+the engines — that is how the engines are checked against the PyTorch oracle, and the same
+classes run inside the Triton python-backend models. Caches live here, in preallocated numpy
+slots; only the new positions' keys/values come out of a graph.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.core.interfaces import Drafter, Proposal, TargetStep
+from dspark.models.block_drafter import sample_block
+from dspark.models.slots import SlotPool, SlotRunner
+
+
+class ShapeError(ValueError):
+    """A request that does not fit the shapes an engine was built for."""
+
+
+def session(path: Path, threads: int = 2, optimized: Path | None = None):
+    """An ORT CPU session; with `optimized`, also save the optimized graph there."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    # ORT's pool threads spin after every run by default; on 2 cores that steals the CPU from the
+    # Python/torch work between engine calls (sampling, the next call's inputs): 3x slower rounds.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if optimized is not None:
+        so.optimized_model_filepath = str(optimized)
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+class _Slots(SlotPool):
+    """Preallocated per-sequence K/V slots: per layer [slots, KV, max_len, D] float32 (numpy)."""
+
+    def __init__(self, layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int, what: str):
+        super().__init__(num_slots, max_len, np.zeros(num_slots, np.int64), what)
+        shape = (num_slots, kv_heads, max_len, head_dim)
+        self.k = [np.zeros(shape, np.float32) for _ in range(layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(layers)]
+
+    def write(self, slots, start, new_k, new_v, count) -> None:
+        """Row r's first count[r] new positions go to slot slots[r] from position start[r]."""
+        for r, (slot, s0, n) in enumerate(zip(slots, start, count)):
+            if n:
+                for layer in range(len(self.k)):
+                    self.k[layer][slot, :, s0 : s0 + n] = new_k[layer][r, :, :n]
+                    self.v[layer][slot, :, s0 : s0 + n] = new_v[layer][r, :, :n]
+
+
+class OrtTargetRunner(SlotRunner):
+    """The target step engine with its KV cache in slots (same contract as TargetRunner)."""
+
+    def __init__(self, sess, cfg, num_slots: int = 16, max_len: int = 2048) -> None:
+        self.sess = sess
+        self.cfg = cfg
+        self.cache = _Slots(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, "target KV")
+
+    def step(self, slots: list[int], tokens: list[list[int]], last_only: bool = False) -> TargetStep:
+        c = self.cache
+        n = np.array([len(t) for t in tokens], np.int64)
+        if (n == 0).any():
+            raise ValueError("every sequence in a target step needs at least one new token")
+        idx = np.asarray(slots, np.int64)
+        past_len = c.length[idx].copy()
+        if int((past_len + n).max()) > c.max_len:
+            raise ShapeError(
+                f"sequence would exceed the KV cache length {c.max_len}: shorten the prompt or max_tokens"
+            )
+        R, N, S = len(slots), int(n.max()), int(past_len.max())
+        ids = np.zeros((R, N), np.int64)
+        for r, t in enumerate(tokens):
+            ids[r, : len(t)] = t
+        feed = {
+            "input_ids": ids,
+            "positions": past_len[:, None] + np.arange(N)[None, :],
+            "past_len": past_len,
+            "valid": np.arange(N)[None, :] < n[:, None],
+        }
+        for i in range(self.cfg.num_layers):
+            feed[f"past_key.{i}"] = c.k[i][idx, :, :S]
+            feed[f"past_value.{i}"] = c.v[i][idx, :, :S]
+        out = self.sess.run(None, feed)
+        L = self.cfg.num_layers
+        c.write(idx, past_len, out[3 : 3 + 2 * L : 2], out[4 : 4 + 2 * L : 2], n)
+        c.length[idx] = past_len + n
+        logits = out[0][np.arange(R), n - 1][:, None] if last_only else out[0]
+        return TargetStep(torch.from_numpy(logits), torch.from_numpy(out[1]), torch.from_numpy(out[2]))
+
+
+def bucket_for(n: int, buckets: list[int], what: str) -> int:
+    """The smallest bucket that holds n; a clear error when none does (never a silent clip)."""
+    for b in sorted(buckets):
+        if n <= b:
+            return b
+    raise ShapeError(
+        f"{what} {n} is larger than the largest engine bucket {max(buckets)}: rebuild the "
+        f"engines with a larger bucket (make engines BUCKETS=...) or lower the concurrency"
+    )
+
+
+def draft_vocabulary(meta: dict) -> tuple[int, torch.Tensor, np.ndarray]:
+    """(target vocabulary size, draft vocabulary as target ids, target id → draft index with
+    len(draft vocabulary) for ids outside it) from a build's drafter_meta.json."""
+    vocab_size = meta["target_vocab_size"]
+    draft_vocab = torch.as_tensor(np.asarray(meta["draft_vocab"], np.int64))
+    to_draft = np.full(vocab_size, len(draft_vocab), np.int64)
+    to_draft[draft_vocab.numpy()] = np.arange(len(draft_vocab))
+    return vocab_size, draft_vocab, to_draft
+
+
+class OrtDrafterRunner(Drafter):
+    """The DSpark drafter on its three engines (context, backbone, head), Drafter interface.
+
+    Per sequence it holds a context slot (per-layer keys/values of committed positions) and
+    the features committed since the last round, which the next backbone call projects and
+    returns as keys/values to append (at most `new_positions` of them per round; more are
+    flushed through the context engine first).
+    """
+
+    def __init__(self, engines: dict, meta: dict, num_slots: int = 16) -> None:
+        cfg = meta["config"]
+        self.cfg = cfg
+        self.block_size = cfg["block_size"]
+        self.vocab_size, self.draft_vocab, self.to_draft = draft_vocabulary(meta)
+        self.context = engines["drafter_context"]
+        self.backbones: dict[int, object] = engines["drafter_backbone"]
+        self.heads: dict[int, object] = engines.get("drafter_head", {})
+        self.max_context = meta["max_context"]
+        self.context_buckets = meta.get("context_buckets", [self.max_context])
+        self.M = meta["new_positions"]
+        self.cache = _Slots(
+            cfg["num_layers"],
+            num_slots,
+            cfg["num_kv_heads"],
+            self.max_context,
+            cfg["head_dim"],
+            "drafter context",
+        )
+        self.pending: dict[int, np.ndarray] = {}
+        self._slot: dict[int, int] = {}
+
+    @classmethod
+    def load(cls, build: Path, num_slots: int = 16, threads: int = 2) -> OrtDrafterRunner:
+        """From an engine build folder (engines/build.py): manifest + engine files."""
+        build = Path(build)
+        meta = json.loads((build / "drafter_meta.json").read_text())
+        engines: dict = {"drafter_context": session(build / meta["files"]["drafter_context"], threads)}
+        for role in ("drafter_backbone", "drafter_head"):
+            files = meta["files"].get(role, {})
+            engines[role] = {int(b): session(build / f, threads) for b, f in files.items()}
+        return cls(engines, meta, num_slots)
+
+    @property
+    def free_slots(self) -> int:
+        return self.cache.free_slots
+
+    def _check_room(self, slot: int, extra: int) -> None:
+        have = int(self.cache.length[slot]) + len(self.pending[slot]) + extra
+        if have + 1 > self.max_context:  # + the anchor's own position
+            raise ShapeError(
+                f"drafter context of {have} positions exceeds the engine's max_context {self.max_context}: "
+                "rebuild the engines with a larger --max-context or shorten the request"
+            )
+
+    def _flush(self, slot: int, feats: np.ndarray) -> None:
+        start = int(self.cache.length[slot])
+        pos = (start + np.arange(len(feats)))[None, :]
+        out = self.context.run(None, {"features": feats[None].astype(np.float32), "positions": pos})
+        self.cache.write([slot], [start], out[0::2], out[1::2], [len(feats)])
+        self.cache.length[slot] = start + len(feats)
+
+    def begin(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
+        slot = self.cache.allocate()
+        self._slot[rid] = slot
+        self.pending[slot] = np.zeros((0, self.cfg["feature_size"]), np.float32)
+        try:
+            self._check_room(slot, len(features))
+            self._flush(slot, features.float().numpy())
+        except Exception:
+            self.end(rid)
+            raise
+
+    def advance(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
+        slot = self._slot[rid]
+        self._check_room(slot, len(features))
+        p = np.concatenate([self.pending[slot], features.float().numpy()])
+        if len(p) > self.M:  # more than one round's worth: the overflow goes through the context engine
+            self._flush(slot, p[: len(p) - self.M])
+            p = p[len(p) - self.M :]
+        self.pending[slot] = p
+
+    def end(self, rid: int) -> None:
+        slot = self._slot.pop(rid, None)
+        if slot is not None:
+            self.pending.pop(slot, None)
+            self.cache.release(slot)
+
+    def propose(self, rids, anchors, params, gens) -> Proposal:
+        U, h = self.backbone(rids, anchors)
+        prev = torch.from_numpy(self.to_draft[np.asarray(anchors, np.int64)])
+        return sample_block(self.head_step, U, h, prev, self.draft_vocab, self.vocab_size, params, gens)
+
+    def backbone(self, rids, anchors) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parallel stage for a batch: base logits U [R, γ, Vd] and hidden h [R, γ, d];
+        the features committed since the last round join the context cache. Batches above the
+        largest bucket run in chunks of it."""
+        top = max(self.backbones)
+        if len(rids) > top:
+            parts = [self.backbone(rids[i : i + top], anchors[i : i + top]) for i in range(0, len(rids), top)]
+            return torch.cat([u for u, _ in parts]), torch.cat([h for _, h in parts])
+        R, L = len(rids), self.cfg["num_layers"]
+        B = bucket_for(R, list(self.backbones), "batch of")
+        slots = [self._slot[r] for r in rids]
+        ctx_len = np.zeros(B, np.int64)
+        ctx_len[:R] = self.cache.length[slots]
+        new_count = np.zeros(B, np.int64)
+        new_feats = np.zeros((B, self.M, self.cfg["feature_size"]), np.float32)
+        for r, s in enumerate(slots):
+            p = self.pending[s]
+            new_count[r] = len(p)
+            new_feats[r, : len(p)] = p
+        anchor_ids = np.zeros(B, np.int64)
+        anchor_ids[:R] = anchors
+        feed = {
+            "anchor_ids": anchor_ids,
+            "ctx_len": ctx_len,
+            "new_features": new_feats,
+            "new_count": new_count,
+        }
+        S = bucket_for(max(int(ctx_len.max()), 1), self.context_buckets, "drafter context of")
+        idx = np.asarray(slots + [slots[0]] * (B - R))  # pad rows reuse a real slot; ctx_len 0 masks it
+        for i in range(L):
+            feed[f"ctx_key.{i}"] = self.cache.k[i][idx, :, :S]
+            feed[f"ctx_value.{i}"] = self.cache.v[i][idx, :, :S]
+        out = self.backbones[B].run(None, feed)
+        self.cache.write(slots, ctx_len[:R], out[2::2], out[3::2], new_count[:R])
+        for r, s in enumerate(slots):
+            self.cache.length[s] = ctx_len[r] + new_count[r]
+            self.pending[s] = self.pending[s][:0]
+        return torch.from_numpy(out[0][:R]), torch.from_numpy(out[1][:R])
+
+    def head_step(self, U_k, h_k, prev, state):
+        """One sequential step for R rows (padded to the bucket): (z_k, c_k, state)."""
+        R, top = len(U_k), max(self.backbones)
+        if R > top:  # chunks of the largest bucket
+            parts = [
+                self.head_step(
+                    U_k[i : i + top],
+                    h_k[i : i + top],
+                    prev[i : i + top],
+                    None if state is None else state[i : i + top],
+                )
+                for i in range(0, R, top)
+            ]
+            states = [p[2] for p in parts]
+            return (
+                torch.cat([p[0] for p in parts]),
+                torch.cat([p[1] for p in parts]),
+                None if states[0] is None else torch.cat(states),
+            )
+        return self._head(bucket_for(R, list(self.backbones), "batch of"), R)(U_k, h_k, prev, state)
+
+    def _head(self, B: int, R: int):
+        if not self.heads:  # DFlash: no sequential head
+            return lambda U_k, h_k, prev, state: (U_k, torch.zeros(R), state)
+        sess, rnn = self.heads[B], self.cfg["head"] == "rnn"
+
+        def step(U_k, h_k, prev, state):
+            def padded(x, dtype):
+                a = np.zeros((B, *x.shape[1:]), dtype)
+                a[:R] = x.numpy()
+                return a
+
+            feed = {"base_logits": padded(U_k, np.float32), "hidden": padded(h_k, np.float32)}
+            feed["prev"] = padded(prev, np.int64)
+            if rnn:
+                feed["state"] = (
+                    np.zeros((B, self.cfg["markov_rank"]), np.float32)
+                    if state is None
+                    else padded(state, np.float32)
+                )
+            out = sess.run(None, feed)
+            z, c = torch.from_numpy(out[0][:R]), torch.from_numpy(out[1][:R])
+            return z, c, (torch.from_numpy(out[2][:R]) if rnn else None)
+
+        return step

@@ -1,0 +1,134 @@
+"""Build the services and the orchestrator from a Triton model's string parameters.
+
+Parameters (rendered into every config.pbtxt by orchestrator/repository.py):
+  code_root, engines_dir (a `make engines` build), target_dir (tokenizer + chat template),
+  num_slots, max_len, threads, runtime (onnxruntime | tensorrt), and for `dspark`:
+  max_active, max_queue (requests waiting for a slot before new ones get a "busy" error),
+  prefill_budget (prompt tokens admitted per step; 0 = no limit),
+  max_new_tokens, default_mode, drafter_retry_s (seconds before new requests try a failed
+  drafter again), sps_path (a `dspark sps` table; empty or missing = measure a quick one at
+  startup through the target's probe entry, said in the log and in metric dspark_sps_table).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark.model_repository.services import target_config
+
+log = logging.getLogger("dspark.orchestrator")
+
+
+def measure_sps(call, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeats: int = 3):
+    """A quick SPS(B) table through the target's probe entry (one sequence × B tokens)."""
+    from dspark.core.sps import SPSTable
+
+    secs = []
+    for b in sizes:
+        toks = np.ones((1, b), np.int64)
+        inputs = {"probe_tokens": toks, "probe_context": np.array([context], np.int64)}
+        call("target", inputs, ["probe_argmax"])  # warm-up (and the probe context)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            call("target", inputs, ["probe_argmax"])
+            best = min(best, time.perf_counter() - t)
+        secs.append(best)
+    table = SPSTable.from_step_times(list(sizes), secs, {"source": "quick startup probe", "context": context})
+    return table.monotone()
+
+
+def make_orchestrator(params: dict, call, metrics_backend=None):
+    from dspark.core.calibration import STS
+    from dspark.core.interfaces import RequestError
+    from dspark.core.sps import SPSTable
+    from dspark.orchestrator.bls import RemoteDrafter, RemoteTarget
+    from dspark.orchestrator.engine import Engine
+    from dspark.orchestrator.metrics import ServingMetrics
+    from dspark.orchestrator.requests import Limits
+    from dspark.orchestrator.streaming import Orchestrator
+    from dspark.orchestrator.text import ChatTokenizer
+
+    cfg = target_config(params)
+    eng = Path(params["engines_dir"])
+    slots, max_len = int(params["num_slots"]), int(params["max_len"])
+    bls_time: dict[str, list] = {}
+
+    def timed_call(model, inputs, outputs):  # the transport, timed per called model
+        t0 = time.perf_counter()
+        try:
+            return call(model, inputs, outputs)
+        finally:
+            acc = bls_time.setdefault(model, [0, 0.0])
+            acc[0] += 1
+            acc[1] += time.perf_counter() - t0
+
+    tok = ChatTokenizer(Path(params["target_dir"])) if params.get("target_dir") else None
+
+    def chat_ids(text: str) -> list[int]:
+        if tok is None:
+            raise RequestError("this server has no tokenizer (target_dir is empty): send input_ids")
+        return tok.chat_ids(text)
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids) if tok is not None else ""
+
+    drafter, sts = None, None
+    meta_path = eng / "drafter_meta.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        # the python head (cpu profile) has the block entry; a TensorRT head plan only steps
+        drafter = RemoteDrafter(timed_call, meta, slots, head_block=params.get("runtime") != "tensorrt")
+        sts = STS.from_dict(meta["sts"]) if meta.get("sts") else None
+        max_len = min(max_len, int(meta["max_context"]))
+    sps_path = params.get("sps_path", "")
+    sps = (
+        SPSTable.from_dict(json.loads(Path(sps_path).read_text()))
+        if sps_path and Path(sps_path).exists()
+        else None
+    )
+    target = RemoteTarget(timed_call, cfg.vocab_size, slots, max_len)
+    gamma = drafter.block_size if drafter is not None else 7
+    metrics = ServingMetrics(gamma, metrics_backend, {"model": "dspark"})
+    metrics.set_gauge("sps_table", 1.0, source="file" if sps is not None else "none")
+    engine = Engine(
+        target,
+        drafter,
+        sps,
+        sts,
+        int(params.get("max_active", slots)),
+        max_queue=int(params.get("max_queue", 64)),
+        metrics=metrics,
+        drafter_retry_s=float(params.get("drafter_retry_s", 10)),
+        prefill_budget=int(params.get("prefill_budget", 2048)),
+    )
+    if sps_path and sps is None:
+        log.warning("SPS table %s does not exist: measuring a quick one at the first request", sps_path)
+    limits = Limits(
+        vocab_size=cfg.vocab_size,
+        max_context=max_len,
+        max_new_tokens=int(params.get("max_new_tokens", 1024)),
+        stop_ids=frozenset(cfg.eos_token_ids),
+        default_mode=params.get("default_mode", "dspark") if drafter is not None else "off",
+    )
+    orch = Orchestrator(engine, limits, chat_ids, decode)
+    orch.bls_time = bls_time  # model → [calls, seconds], published by the engine thread
+    if sps is None:
+        orch.on_start = lambda: _quick_sps(orch, call)
+    return orch
+
+
+def _quick_sps(orch, call) -> None:
+    sps = measure_sps(call)
+    orch.engine.set_sps(sps)
+    orch.engine.metrics.set_gauge("sps_table", 0.0, source="none")
+    orch.engine.metrics.set_gauge("sps_table", 1.0, source="quick_probe")
+    log.warning(
+        "no SPS table given (sps_path): measured a quick one through the target probe: %s",
+        ", ".join(f"B={b}: {v:.1f}/s" for b, v in zip(sps.batch_tokens, sps.steps_per_second)),
+    )

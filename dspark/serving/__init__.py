@@ -1,0 +1,1 @@
+"""Operating the server: start tritonserver on loopback (launcher) and stream from it (client)."""

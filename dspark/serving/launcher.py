@@ -1,0 +1,187 @@
+"""Start and stop a real tritonserver (the one in the nvidia-pytriton wheel) on loopback.
+
+Recipe (shared/reference/cpu-runtime.md §1b): the wheel ships tritonserver 2.51 and the python
+backend; we assemble a backends folder with the backend library and the stub for this Python
+version (build/tsbackends — never a folder named `triton` on sys.path), put the venv's bin first
+on PATH (the stub's embedded interpreter takes its prefix from `python3` on PATH, and needs numpy<2
+there), and add the wheel's bundled libraries to LD_LIBRARY_PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark.paths import REPO
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def pytriton_root() -> Path:
+    try:
+        import pytriton
+    except ImportError as e:
+        raise ServerError("nvidia-pytriton is not installed: run `make setup`") from e
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    if not (root / "bin" / "tritonserver").exists():
+        raise ServerError(f"no tritonserver binary under {root}: reinstall nvidia-pytriton (make setup)")
+    return root
+
+
+def backends_dir(build: Path = REPO / "build" / "tsbackends") -> Path:
+    """The python backend + the stub for this interpreter's version, assembled once."""
+    root = pytriton_root()
+    dest = build / "backends" / "python"
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / ver / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ServerError(f"the pytriton wheel has no python backend stub for Python {ver}")
+    dest.mkdir(parents=True, exist_ok=True)
+    for src in (
+        root / "backends" / "python" / "libtriton_python.so",
+        root / "backends" / "python" / "triton_python_backend_utils.py",
+        stub,
+    ):
+        target = dest / src.name
+        if not target.exists() or target.stat().st_size != src.stat().st_size:
+            shutil.copy2(src, target)
+    return build / "backends"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_taken(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+@dataclass
+class Server:
+    """A tritonserver process serving `repository` with explicit model control."""
+
+    repository: Path
+    models: list[str]
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    host: str = "127.0.0.1"
+    log_path: Path | None = None
+    exit_timeout: int = 5
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+
+    @classmethod
+    def on_free_ports(cls, repository: Path, models: list[str], log_path: Path | None = None) -> Server:
+        """A server on three free loopback ports (demo, benchmarks, tests)."""
+        return cls(Path(repository), models, free_port(), free_port(), free_port(), log_path=log_path)
+
+    def command(self) -> list[str]:
+        root = pytriton_root()
+        cmd = [
+            str(root / "bin" / "tritonserver"),
+            f"--model-repository={self.repository}",
+            f"--backend-directory={backends_dir()}",
+            f"--http-address={self.host}",
+            f"--grpc-address={self.host}",
+            f"--metrics-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--model-control-mode=explicit",
+            "--disable-auto-complete-config",
+            f"--exit-timeout-secs={self.exit_timeout}",
+            "--log-verbose=0",
+        ]
+        cmd += [f"--load-model={m}" for m in self.models]
+        return cmd + self.extra_args
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        venv_bin = str(Path(sys.executable).parent)
+        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+        libs = pytriton_root().parent.parent / "nvidia_pytriton.libs"
+        env["LD_LIBRARY_PATH"] = str(libs) + os.pathsep + env.get("LD_LIBRARY_PATH", "")
+        env["PYTHONUNBUFFERED"] = "1"
+        # the python-backend stubs are separate processes taking turns on the same cores (BLS is
+        # synchronous): OpenMP threads must sleep, not spin, when their process waits
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        return env
+
+    def start(self, timeout: float = 120.0) -> Server:
+        for name, port in (
+            ("http", self.http_port),
+            ("grpc", self.grpc_port),
+            ("metrics", self.metrics_port),
+        ):
+            if port_taken(port, self.host):
+                raise ServerError(
+                    f"{name} port {port} on {self.host} is already in use: pick another --{name}-port"
+                )
+        self.log_path = self.log_path or (REPO / "build" / "logs" / f"tritonserver-{self.http_port}.log")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            if self.ready():
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise ServerError(f"tritonserver was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def ready(self) -> bool:
+        try:
+            url = f"http://{self.host}:{self.http_port}/v2/health/ready"
+            with urllib.request.urlopen(url, timeout=1) as r:
+                return r.status == 200 and self.alive()
+        except OSError:
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.exit_timeout + 15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

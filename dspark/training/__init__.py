@@ -1,0 +1,1 @@
+"""Drafter training: regenerated answers → target cache → training runs → evaluation."""

@@ -1,0 +1,127 @@
+"""The drafter pipeline over the real target: vocabulary, training runs, shipped checkpoints.
+
+answers (artifacts/data/answers.jsonl) + target cache (artifacts/cache/*.npz)
+  → draft vocabulary (frequency-ranked answer tokens)
+  → training run (artifacts/runs/<name>/: resumable checkpoint, log)
+  → shipped drafter (drafters/<name>/: fp16 safetensors, drafter.json with config,
+    training summary and STS temperatures)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from dspark.core.calibration import STS
+from dspark.core.interfaces import Drafter
+from dspark.models.block_drafter import BlockDrafter, BlockDrafterRunner, DrafterConfig
+from dspark.models.loading import LoadedTarget
+from dspark.paths import REPO
+from dspark.training.data import read_answers
+from dspark.training.train import TrainConfig, build_draft_vocab, train
+
+SHIPPED = REPO / "drafters"
+HOLDOUT_PERCENT = 5  # training prompts kept out of training, for STS rollouts
+
+
+def is_holdout(key: str) -> bool:
+    return int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100 < HOLDOUT_PERCENT
+
+
+def split_cache(answers_path: Path, cache_dir: Path) -> tuple[list[Path], list[dict]]:
+    """Training files (cached samples not held out) and held-out answer records."""
+    files, held = [], []
+    for a in read_answers(answers_path):
+        f = cache_dir / f"{a['pool']}-{a['index']}.npz"
+        if is_holdout(a["key"]):
+            held.append(a)
+        elif f.exists():
+            files.append(f)
+    return files, held
+
+
+def make_drafter(loaded: LoadedTarget, kind: str, vocab: torch.Tensor, **kw):
+    """A freshly initialised drafter of `kind` (dspark | dspark-rnn | dflash | eagle3)."""
+    t = loaded.model.cfg
+    if kind == "eagle3":
+        from dspark.models.eagle3 import Eagle3Config, Eagle3Drafter
+
+        model = Eagle3Drafter(Eagle3Config.for_target(t, len(vocab), **kw), vocab).init_weights()
+    else:
+        head = "rnn" if kind == "dspark-rnn" else None
+        extra = {"head": head} if head else {}
+        cfg = DrafterConfig.for_target(
+            t, "dflash" if kind == "dflash" else "dspark", len(vocab), **extra, **kw
+        )
+        model = BlockDrafter(cfg, vocab).init_weights()
+    return model.attach(loaded.model.model.embed_tokens.weight, loaded.model.lm_head.weight)
+
+
+def load_drafter(name_or_path: str, loaded: LoadedTarget):
+    """A shipped drafter by name (dspark, dflash, eagle3) or a checkpoint directory; returns
+    (model, STS or None)."""
+    path = SHIPPED / name_or_path if (SHIPPED / name_or_path).is_dir() else Path(name_or_path)
+    if not (path / "drafter.json").exists():
+        shipped = sorted(p.name for p in SHIPPED.glob("*") if (p / "drafter.json").exists())
+        raise FileNotFoundError(
+            f"no drafter at {name_or_path!r}: give a checkpoint directory or a shipped name {shipped} "
+            "(train one with `make train`)"
+        )
+    meta = json.loads((path / "drafter.json").read_text())
+    if meta["config"]["kind"] == "eagle3":
+        from dspark.models.eagle3 import Eagle3Drafter
+
+        model = Eagle3Drafter.load(path)
+    else:
+        model = BlockDrafter.load(path)
+    model.attach(loaded.model.model.embed_tokens.weight, loaded.model.lm_head.weight)
+    sts = STS.from_dict(meta["sts"]) if meta.get("sts") else None
+    return model, sts
+
+
+def runner_for(model, num_slots: int, max_len: int) -> Drafter:
+    if model.cfg.kind == "eagle3":
+        from dspark.models.eagle3 import Eagle3Runner
+
+        return Eagle3Runner(model, num_slots=num_slots, max_len=max_len)
+    return BlockDrafterRunner(model, num_slots=num_slots, max_len=max_len)
+
+
+def run_training(
+    loaded: LoadedTarget,
+    kind: str,
+    answers: Path,
+    cache: Path,
+    out: Path,
+    tc: TrainConfig,
+    vocab_size: int,
+    num_layers: int | None,
+    until: int | None = None,
+) -> dict:
+    files, held = split_cache(answers, cache)
+    if not files:
+        raise FileNotFoundError(f"no cached training samples in {cache}: run `make data` first")
+    answers_ids = [a["answer_ids"] for a in read_answers(answers) if not is_holdout(a["key"])]
+    vocab, coverage = build_draft_vocab(answers_ids, vocab_size, must_include=sorted(loaded.stop_ids))
+    kw = {"num_layers": num_layers} if num_layers else {}
+    model = make_drafter(loaded, kind, vocab, **kw)
+    print(
+        f"[train] {kind}: {len(files)} training sequences, {len(held)} held out; draft vocabulary "
+        f"{len(vocab)} tokens covers {coverage:.1%} of answer tokens; "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M trainable parameters",
+        flush=True,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "train.log"
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        with log_path.open("a") as f:
+            f.write(line + "\n")
+
+    summary = train(model, files, tc, out, log=log, until=until)
+    summary.update(kind=kind, vocab_size=len(vocab), vocab_coverage=coverage, training_sequences=len(files))
+    return {"model": model, "summary": summary, "held": held}
