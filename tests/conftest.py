@@ -18,6 +18,7 @@ def pytest_collection_modifyitems(config, items):
         if "integration" in parts:
             item.add_marker(pytest.mark.integration)
 
+
 TINY = TargetConfig(
     vocab_size=61,
     hidden_size=32,

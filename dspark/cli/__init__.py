@@ -39,27 +39,22 @@ def _run_one(loaded, runner, prompt: str, max_tokens: int, params, drafter=None,
 
 
 def quick_sps(runner, context: int = 128, sizes=(1, 2, 4, 8, 16), repeats: int = 3):
-    """Step times of `runner` at a few batch-token counts (one sequence, `context` cached
-    tokens): a quick in-process SPS(B) table for the scheduler when none was measured."""
-    from dspark.core.sps import SPSTable
+    """A quick in-process SPS(B) table of `runner` (one sequence, `context` cached tokens)."""
+    from dspark.core.sps import measure_sps
 
     slot = runner.allocate()
     try:
         runner.step([slot], [[(7 * i) % 5000 + 100 for i in range(context)]])
-        secs = []
-        for n in sizes:
-            best = float("inf")
-            for _ in range(repeats):
-                t = time.perf_counter()
-                runner.step([slot], [list(range(300, 300 + n))])
-                best = min(best, time.perf_counter() - t)
-                runner.rollback(slot, context)
-            secs.append(best)
+
+        def step(b: int) -> None:
+            runner.step([slot], [list(range(300, 300 + b))])
+            runner.rollback(slot, context)
+
+        return measure_sps(
+            step, sizes, repeats, {"source": "quick in-process measurement", "context": context}
+        )
     finally:
         runner.release(slot)
-    return SPSTable.from_step_times(
-        list(sizes), secs, {"source": "quick in-process measurement", "context": context}
-    )
 
 
 def _runners(loaded, engines: str | None, drafter_name: str | None, slots: int, max_len: int):
@@ -93,7 +88,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.core.sampling import SamplingParams
-    from dspark.core.scheduler import parse_policy
+    from dspark.core.scheduler import policy_for
     from dspark.models.loading import load_target
     from dspark.training.pipeline import SHIPPED
 
@@ -128,7 +123,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     policy = None
     if drafter is not None:
         sps = quick_sps(target)
-        policy = parse_policy(args.mode, sps)
+        policy = policy_for(args.mode, sps)
         print(
             f"[demo] {label}; drafter {name!r}; mode {args.mode}; SPS(B) measured in-process just now: "
             + ", ".join(f"B={b}: {v:.1f}/s" for b, v in zip(sps.batch_tokens, sps.steps_per_second))
@@ -173,7 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.core.sampling import SamplingParams
-    from dspark.core.scheduler import check_policy_spec, parse_policy
+    from dspark.core.scheduler import check_mode, policy_for
     from dspark.models.loading import load_target
 
     if not args.prompt.strip():
@@ -181,7 +176,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     try:
         params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-        check_policy_spec(args.mode)
+        check_mode(args.mode)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -194,7 +189,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    policy = parse_policy(args.mode, quick_sps(target) if args.mode.startswith("dspark") else None)
+    policy = policy_for(args.mode, quick_sps(target) if args.mode.startswith("dspark") else None)
     ids, res, dt = _run_one(loaded, target, args.prompt, args.max_tokens, params, drafter, policy, sts)
     text = loaded.decode(res.tokens)
     if args.json:
@@ -455,7 +450,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             plot_reliability(
                 np.concatenate([a["logits"] for a in z]),
                 np.concatenate([a["accepted"] for a in z]),
-                np.concatenate([a["proposed"] for a in z]),
+                np.concatenate([a["verified" if "verified" in a else "proposed"] for a in z]),
                 STS.from_dict(meta["sts"]),
                 out / f"reliability_{d.name}.png",
             )

@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from dspark.core.scheduler import prefix_survival
+
 PRED_CLIP = 1e-8  # cumulative predictions are clipped to [PRED_CLIP, 1 − PRED_CLIP] (notes §3)
 DEFAULT_N_BINS = 20  # the reference evaluator's bin count (notes §3)
 _GRID_CHUNK_ELEMENTS = 1 << 21  # grid × rows evaluated per batched ECE call during fitting
@@ -134,12 +136,12 @@ def brier(pred: ArrayLike, label: ArrayLike) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_rounds(accepted: ArrayLike, proposed: ArrayLike, gamma: int) -> tuple[np.ndarray, np.ndarray]:
-    """Validate per-round (accepted, proposed) counts against block size gamma; return int64 vectors."""
+def _check_rounds(accepted: ArrayLike, verified: ArrayLike, gamma: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validate per-round (accepted, verified) counts against block size gamma; return int64 vectors."""
     if not isinstance(gamma, (int, np.integer)) or gamma < 1:
         raise ValueError(f"gamma (draft positions per block) must be a positive integer, got {gamma!r}.")
     arrays = []
-    for name, values in (("accepted", accepted), ("proposed", proposed)):
+    for name, values in (("accepted", accepted), ("verified", verified)):
         raw = np.asarray(values)
         if raw.ndim != 1:
             raise ValueError(f"{name} must be a 1-D array with one entry per round, got shape {raw.shape}.")
@@ -152,46 +154,46 @@ def _check_rounds(accepted: ArrayLike, proposed: ArrayLike, gamma: int) -> tuple
     acc, prop = arrays
     if acc.shape != prop.shape:
         raise ValueError(
-            f"accepted has {acc.size} rounds but proposed has {prop.size}; pass one entry per round in both."
+            f"accepted has {acc.size} rounds but verified has {prop.size}; pass one entry per round in both."
         )
     if prop.size and (prop.min() < 0 or prop.max() > gamma):
         raise ValueError(
-            f"proposed must lie in [0, gamma={gamma}] (got min {prop.min()}, max {prop.max()}); "
+            f"verified must lie in [0, gamma={gamma}] (got min {prop.min()}, max {prop.max()}); "
             "check that gamma matches the logits' last dimension."
         )
     if acc.size and (acc.min() < 0 or np.any(acc > prop)):
         raise ValueError(
-            "accepted must lie in [0, proposed] for every round; a round cannot accept "
+            "accepted must lie in [0, verified] for every round; a round cannot accept "
             "more drafts than it verified."
         )
     return acc, prop
 
 
-def prefix_labels(accepted: ArrayLike, proposed: ArrayLike, gamma: int) -> tuple[np.ndarray, np.ndarray]:
+def prefix_labels(accepted: ArrayLike, verified: ArrayLike, gamma: int) -> tuple[np.ndarray, np.ndarray]:
     """Accepted-prefix labels for the cumulative prediction a_k (notes §3).
 
-    For round n that verified `proposed[n]` drafts and accepted the first `accepted[n]`:
-    labels[n, k−1] = 1[accepted[n] ≥ k] and valid[n, k−1] = (k ≤ proposed[n]), k = 1..gamma.
-    For a round that stopped on an accepted EOS, pass proposed = the EOS position to match the
+    For round n that verified `verified[n]` drafts and accepted the first `accepted[n]`:
+    labels[n, k−1] = 1[accepted[n] ≥ k] and valid[n, k−1] = (k ≤ verified[n]), k = 1..gamma.
+    For a round that stopped on an accepted EOS, pass verified = the EOS position to match the
     reference's "effective proposal length".
 
     Returns (labels [N, gamma] float64, valid [N, gamma] bool).
     """
-    acc, prop = _check_rounds(accepted, proposed, gamma)
+    acc, prop = _check_rounds(accepted, verified, gamma)
     k = np.arange(1, gamma + 1)
     labels = (acc[:, None] >= k[None, :]).astype(np.float64)
     valid = prop[:, None] >= k[None, :]
     return labels, valid
 
 
-def conditional_labels(accepted: ArrayLike, proposed: ArrayLike, gamma: int) -> tuple[np.ndarray, np.ndarray]:
+def conditional_labels(accepted: ArrayLike, verified: ArrayLike, gamma: int) -> tuple[np.ndarray, np.ndarray]:
     """Labels for the conditional confidence c_k (the head's own target, paper eq. 7).
 
     Slot k was *reached* in round n when drafts 1..k−1 were accepted and k was verified:
-    reached[n, k−1] = (accepted[n] ≥ k−1) & (proposed[n] ≥ k); there the label is
+    reached[n, k−1] = (accepted[n] ≥ k−1) & (verified[n] ≥ k); there the label is
     1[accepted[n] ≥ k]. Returns (labels [N, gamma] float64, reached [N, gamma] bool).
     """
-    acc, prop = _check_rounds(accepted, proposed, gamma)
+    acc, prop = _check_rounds(accepted, verified, gamma)
     k = np.arange(1, gamma + 1)
     labels = (acc[:, None] >= k[None, :]).astype(np.float64)
     reached = (acc[:, None] >= k[None, :] - 1) & (prop[:, None] >= k[None, :])
@@ -214,10 +216,10 @@ def sigmoid(x: ArrayLike) -> np.ndarray:
     return out
 
 
-def cumulative_survival(conditional: ArrayLike) -> np.ndarray:
-    """Prefix survival a_k = Π_{i≤k} c_i along the last axis, clipped to [1e-8, 1 − 1e-8] (notes §3)."""
-    c = np.asarray(conditional, dtype=np.float64)
-    return np.clip(np.cumprod(c, axis=-1), PRED_CLIP, 1.0 - PRED_CLIP)
+def clipped_survival(conditional: ArrayLike) -> np.ndarray:
+    """Prefix survival a_k (dspark.core.scheduler.prefix_survival) clipped to [1e-8, 1 − 1e-8],
+    so that log-losses and the reliability bins stay finite (notes §3)."""
+    return np.clip(prefix_survival(conditional), PRED_CLIP, 1.0 - PRED_CLIP)
 
 
 def default_grid() -> np.ndarray:
@@ -292,24 +294,24 @@ class STS:
         cls,
         logits: ArrayLike,
         accepted: ArrayLike,
-        proposed: ArrayLike,
+        verified: ArrayLike,
         grid: Sequence[float] | np.ndarray | None = None,
         n_bins: int = DEFAULT_N_BINS,
     ) -> STS:
         """Fit T_1..T_γ left to right on held-out verification rounds (paper §3.2.1).
 
-        logits [N, γ]: raw confidence logits z; accepted [N], proposed [N]: per-round counts.
+        logits [N, γ]: raw confidence logits z; accepted [N], verified [N]: per-round counts.
         For k = 1..γ, with T_1..T_{k−1} fixed, pick the grid T_k minimising the ECE of
         â_k = clip(Π_{i≤k} σ(z_i/T_i)) against y_k = 1[accepted ≥ k] over rows with
-        proposed ≥ k. Ties go to the T closest to 1 in log scale; a slot with no verified
+        verified ≥ k. Ties go to the T closest to 1 in log scale; a slot with no verified
         rows keeps T = 1.
         """
         z = _check_logits(logits)
         gamma = z.shape[1]
-        labels, valid = prefix_labels(accepted, proposed, gamma)
+        labels, valid = prefix_labels(accepted, verified, gamma)
         if labels.shape[0] != z.shape[0]:
             raise ValueError(
-                f"logits have {z.shape[0]} rounds but accepted/proposed have {labels.shape[0]}; "
+                f"logits have {z.shape[0]} rounds but accepted/verified have {labels.shape[0]}; "
                 "pass one row of logits per round."
             )
         if not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
@@ -358,7 +360,7 @@ class STS:
 
     def survival(self, logits: ArrayLike) -> np.ndarray:
         """Calibrated prefix survival â_k = clip(Π_{i≤k} σ(z_i/T_i)) for logits shaped [..., γ]."""
-        return cumulative_survival(self.apply(logits))
+        return clipped_survival(self.apply(logits))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; `from_dict` inverts it."""
@@ -427,13 +429,13 @@ def _json_number(x: float) -> float | None:
 def calibration_report(
     logits: ArrayLike,
     accepted: ArrayLike,
-    proposed: ArrayLike,
+    verified: ArrayLike,
     sts: STS | None = None,
     n_bins: int = DEFAULT_N_BINS,
 ) -> dict[str, Any]:
     """Per-position reliability of the confidence head, raw and after STS (notes §3, paper Fig. 6).
 
-    Per position k (over rounds with proposed ≥ k): n, ECE / AUROC / Brier of the cumulative
+    Per position k (over rounds with verified ≥ k): n, ECE / AUROC / Brier of the cumulative
     prediction â_k against y_k = 1[accepted ≥ k] for the raw head ("_raw") and the calibrated
     one ("_sts"), mean predictions, mean label, and "auroc_conditional" — the AUROC of c_k
     against the conditional label over reached rows (identical raw and calibrated, since
@@ -444,11 +446,11 @@ def calibration_report(
     """
     z = _check_logits(logits)
     gamma = z.shape[1]
-    labels, valid = prefix_labels(accepted, proposed, gamma)
-    cond_labels, reached = conditional_labels(accepted, proposed, gamma)
+    labels, valid = prefix_labels(accepted, verified, gamma)
+    cond_labels, reached = conditional_labels(accepted, verified, gamma)
     if labels.shape[0] != z.shape[0]:
         raise ValueError(
-            f"logits have {z.shape[0]} rounds but accepted/proposed have {labels.shape[0]}; "
+            f"logits have {z.shape[0]} rounds but accepted/verified have {labels.shape[0]}; "
             "pass one row of logits per round."
         )
     if sts is not None and sts.gamma != gamma:
@@ -458,7 +460,7 @@ def calibration_report(
         )
     z = _masked_logits(z, valid)
     cond_raw = sigmoid(z)
-    surv_raw = cumulative_survival(cond_raw)
+    surv_raw = clipped_survival(cond_raw)
     surv_sts = sts.survival(z) if sts is not None else None
 
     positions: list[dict[str, Any]] = []

@@ -127,7 +127,7 @@ class Request:
 class RoundTrace:
     """One speculative round of one request, for calibration and acceptance analysis."""
 
-    proposed: int  # ℓ, drafts verified
+    verified: int  # ℓ, drafts verified
     accepted: int  # drafts accepted (up to an accepted stop token)
     stopped: bool  # ended on an accepted stop token
     conf_logits: np.ndarray  # [γ] raw confidence logits of the block
@@ -140,4 +140,3 @@ class Result:
     stats: AcceptanceStats
     seconds: float = 0.0
     trace: list[RoundTrace] = field(default_factory=list)
-    fallback: str | None = None  # serving only: why a speculative request went target-only

@@ -1,23 +1,23 @@
 """Acceptance metrics of speculative decoding, named and defined as in the reference (notes §6.2).
 
-Glossary (one round = one target verification of ℓ = `proposed` drafts; k is 1-based):
+Glossary (one round = one target verification of ℓ = `verified` drafts; k is 1-based):
 
 τ (acceptance length)
     committed tokens / rounds, where a round commits its accepted drafts plus the
     target-generated bonus/correction token (paper footnote 3). A round that stopped on an
     accepted EOS/stop token commits its accepted drafts only. Range [1, γ+1] without stops.
 survival(k)  (the reference code's ``accept_rate@{k-1}``; notes §6.2, §11)
-    #rounds(accepted ≥ k) / #rounds(proposed ≥ k): UNCONDITIONAL prefix survival. With every
+    #rounds(accepted ≥ k) / #rounds(verified ≥ k): UNCONDITIONAL prefix survival. With every
     round proposing γ and no stops, τ = 1 + Σ_k survival(k).
 conditional(k)  (paper Fig. 2)
-    #rounds(accepted ≥ k) / #rounds(proposed ≥ k and accepted ≥ k−1): acceptance of draft k
+    #rounds(accepted ≥ k) / #rounds(verified ≥ k and accepted ≥ k−1): acceptance of draft k
     among rounds that reached it. With every round proposing γ it equals
     survival(k) / survival(k−1); survival(k) = Π_{j≤k} conditional(j).
 verify_rate  (reference ``verify_rate``; probably the paper's Fig. 5 "acceptance rate")
-    committed tokens / Σ(proposed + 1): fraction of verified tokens, bonus slot included,
+    committed tokens / Σ(verified + 1): fraction of verified tokens, bonus slot included,
     that were committed.
 draft_acceptance_rate
-    accepted drafts / proposed drafts (bonus excluded); depends on γ, so compare it only at
+    accepted drafts / verified drafts (bonus excluded); depends on γ, so compare it only at
     equal γ.
 
 Other tools (peers.md §0 item 3, §3.2):
@@ -45,19 +45,19 @@ from numpy.typing import ArrayLike
 class RoundRecord:
     """Outcome of one verification round.
 
-    proposed: drafts verified this round, ℓ ≥ 0 (ℓ = 0: the target just decodes one token).
-    accepted: drafts accepted, 0..proposed (the accepted prefix length).
+    verified: drafts verified this round, ℓ ≥ 0 (ℓ = 0: the target just decodes one token).
+    accepted: drafts accepted, 0..verified (the accepted prefix length).
     stopped: the accepted prefix ends on an EOS/stop token, so the round commits `accepted`
         tokens and no bonus; requires accepted ≥ 1. A bonus/correction token that is itself
         EOS is not a stop in this sense: that round commits accepted + 1 as usual.
     """
 
-    proposed: int
+    verified: int
     accepted: int
     stopped: bool = False
 
     def __post_init__(self) -> None:
-        _check_round(self.proposed, self.accepted, self.stopped)
+        _check_round(self.verified, self.accepted, self.stopped)
 
     @property
     def committed(self) -> int:
@@ -65,15 +65,15 @@ class RoundRecord:
         return self.accepted + (0 if self.stopped else 1)
 
 
-def _check_round(proposed: int, accepted: int, stopped: bool) -> None:
-    for name, value in (("proposed", proposed), ("accepted", accepted)):
+def _check_round(verified: int, accepted: int, stopped: bool) -> None:
+    for name, value in (("verified", verified), ("accepted", accepted)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
-    if proposed < 0:
-        raise ValueError(f"proposed must be ≥ 0, got {proposed}.")
-    if not 0 <= accepted <= proposed:
+    if verified < 0:
+        raise ValueError(f"verified must be ≥ 0, got {verified}.")
+    if not 0 <= accepted <= verified:
         raise ValueError(
-            f"accepted must lie in [0, proposed={proposed}], got {accepted}; a round cannot accept more "
+            f"accepted must lie in [0, verified={verified}], got {accepted}; a round cannot accept more "
             "drafts than it verified."
         )
     if stopped and accepted < 1:
@@ -120,15 +120,15 @@ class AcceptanceStats:
 
     Per-position counters are arrays whose element k−1 counts slot k, sized to the longest
     proposal seen (they grow as needed):
-      verified_at[k−1] = #rounds(proposed ≥ k)
+      verified_at[k−1] = #rounds(verified ≥ k)
       accepted_at[k−1] = #rounds(accepted ≥ k)
-      reached_at[k−1]  = #rounds(proposed ≥ k and accepted ≥ k−1)
+      reached_at[k−1]  = #rounds(verified ≥ k and accepted ≥ k−1)
     Metrics with a zero denominator are nan.
     """
 
     rounds: int = 0
     committed_tokens: int = 0
-    proposed_tokens: int = 0
+    verified_tokens: int = 0
     accepted_tokens: int = 0
     stopped_rounds: int = 0
     verified_at: np.ndarray = field(default_factory=_empty_counts)
@@ -147,20 +147,20 @@ class AcceptanceStats:
 
     def add(self, record: RoundRecord) -> None:
         """Add one round."""
-        p, a = int(record.proposed), int(record.accepted)
+        p, a = int(record.verified), int(record.accepted)
         self._grow(p)
         self.rounds += 1
         self.committed_tokens += record.committed
-        self.proposed_tokens += p
+        self.verified_tokens += p
         self.accepted_tokens += a
         self.stopped_rounds += int(record.stopped)
         self.verified_at[:p] += 1
         self.accepted_at[:a] += 1
-        self.reached_at[: min(p, a + 1)] += 1  # slot k reached ⇔ k ≤ proposed and k ≤ accepted + 1
+        self.reached_at[: min(p, a + 1)] += 1  # slot k reached ⇔ k ≤ verified and k ≤ accepted + 1
 
-    def add_many(self, proposed: ArrayLike, accepted: ArrayLike, stopped: ArrayLike | None = None) -> None:
+    def add_many(self, verified: ArrayLike, accepted: ArrayLike, stopped: ArrayLike | None = None) -> None:
         """Add a batch of rounds given as parallel 1-D arrays (stopped defaults to all False)."""
-        prop = _int_vector(proposed, "proposed")
+        prop = _int_vector(verified, "verified")
         acc = _int_vector(accepted, "accepted")
         stop = np.zeros(prop.shape, dtype=bool) if stopped is None else np.asarray(stopped)
         if stop.dtype != bool:
@@ -169,16 +169,16 @@ class AcceptanceStats:
             stop = stop.astype(bool)
         if not (prop.shape == acc.shape == stop.shape):
             raise ValueError(
-                f"proposed, accepted and stopped must have one entry per round each; got lengths "
+                f"verified, accepted and stopped must have one entry per round each; got lengths "
                 f"{prop.size}, {acc.size}, {stop.size}."
             )
         if prop.size == 0:
             return
         if prop.min() < 0:
-            raise ValueError(f"proposed must be ≥ 0, got {prop.min()}.")
+            raise ValueError(f"verified must be ≥ 0, got {prop.min()}.")
         if acc.min() < 0 or np.any(acc > prop):
             raise ValueError(
-                "accepted must lie in [0, proposed] for every round; a round cannot accept "
+                "accepted must lie in [0, verified] for every round; a round cannot accept "
                 "more drafts than it verified."
             )
         if np.any(stop & (acc < 1)):
@@ -190,7 +190,7 @@ class AcceptanceStats:
         self._grow(size)
         self.rounds += int(prop.size)
         self.committed_tokens += int(acc.sum() + np.count_nonzero(~stop))
-        self.proposed_tokens += int(prop.sum())
+        self.verified_tokens += int(prop.sum())
         self.accepted_tokens += int(acc.sum())
         self.stopped_rounds += int(np.count_nonzero(stop))
         self.verified_at[:size] += _count_at_least(prop, size)
@@ -205,7 +205,7 @@ class AcceptanceStats:
         g = other.gamma
         self.rounds += other.rounds
         self.committed_tokens += other.committed_tokens
-        self.proposed_tokens += other.proposed_tokens
+        self.verified_tokens += other.verified_tokens
         self.accepted_tokens += other.accepted_tokens
         self.stopped_rounds += other.stopped_rounds
         self.verified_at[:g] += other.verified_at
@@ -216,7 +216,7 @@ class AcceptanceStats:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, AcceptanceStats):
             return NotImplemented
-        scalars = ("rounds", "committed_tokens", "proposed_tokens", "accepted_tokens", "stopped_rounds")
+        scalars = ("rounds", "committed_tokens", "verified_tokens", "accepted_tokens", "stopped_rounds")
         return all(getattr(self, s) == getattr(other, s) for s in scalars) and all(
             np.array_equal(getattr(self, a), getattr(other, a))
             for a in ("verified_at", "accepted_at", "reached_at")
@@ -236,18 +236,18 @@ class AcceptanceStats:
 
     @property
     def verify_rate(self) -> float:
-        """Committed tokens / Σ(proposed + 1): share of verified tokens, bonus slot included, committed."""
-        return _ratio(self.committed_tokens, self.proposed_tokens + self.rounds)
+        """Committed tokens / Σ(verified + 1): share of verified tokens, bonus slot included, committed."""
+        return _ratio(self.committed_tokens, self.verified_tokens + self.rounds)
 
     @property
     def mean_verify_len(self) -> float:
         """Mean verification length ℓ (drafts verified per round)."""
-        return _ratio(self.proposed_tokens, self.rounds)
+        return _ratio(self.verified_tokens, self.rounds)
 
     @property
     def draft_acceptance_rate(self) -> float:
-        """Accepted drafts / proposed drafts (bonus excluded; vLLM's "draft acceptance rate")."""
-        return _ratio(self.accepted_tokens, self.proposed_tokens)
+        """Accepted drafts / verified drafts (bonus excluded; vLLM's "draft acceptance rate")."""
+        return _ratio(self.accepted_tokens, self.verified_tokens)
 
     def _slot(self, k: int) -> int:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
@@ -255,14 +255,14 @@ class AcceptanceStats:
         return int(k) - 1
 
     def survival(self, k: int) -> float:
-        """Unconditional prefix survival at slot k: #(accepted ≥ k) / #(proposed ≥ k)."""
+        """Unconditional prefix survival at slot k: #(accepted ≥ k) / #(verified ≥ k)."""
         i = self._slot(k)
         if i >= self.gamma:
             return math.nan
         return _ratio(int(self.accepted_at[i]), int(self.verified_at[i]))
 
     def conditional(self, k: int) -> float:
-        """Conditional acceptance at slot k: #(accepted ≥ k) / #(proposed ≥ k, accepted ≥ k−1)."""
+        """Conditional acceptance at slot k: #(accepted ≥ k) / #(verified ≥ k, accepted ≥ k−1)."""
         i = self._slot(k)
         if i >= self.gamma:
             return math.nan
@@ -285,7 +285,7 @@ class AcceptanceStats:
         return {
             "rounds": self.rounds,
             "committed_tokens": self.committed_tokens,
-            "proposed_tokens": self.proposed_tokens,
+            "verified_tokens": self.verified_tokens,
             "accepted_tokens": self.accepted_tokens,
             "stopped_rounds": self.stopped_rounds,
             "tau": self.tau,

@@ -2,7 +2,7 @@
 
 Every round, each active request r has γ draft slots with calibrated *conditional*
 confidences c_{r,j} (slot j's confidence is known before token j is sampled; it depends on
-x_{r,<j}).  A policy turns them into verification lengths ℓ_r, 0 ≤ ℓ_r ≤ max_len[r] ≤ γ.
+x_{r,<j}).  A policy turns them into verification lengths ℓ_r, 0 ≤ ℓ_r ≤ available[r] ≤ γ.
 The target forward for the round then holds B = Σ_r (1 + ℓ_r) tokens (anchor slot included).
 
 DSpark (paper §3.2.2, Algorithm 1; digest §5.1) maximises the expected token throughput
@@ -13,7 +13,7 @@ where SPS(B) is the measured engine steps per second at B batch tokens (`SPSTabl
 
 Losslessness needs *non-anticipation* (paper §3.2.2 and App. A; digest §5.3): the event
 "slot k of request r is verified" must not depend on token x_{r,k}, hence not on
-c_{r,k+1..γ}.  `Algorithm1` gets this from its early-stop break; `AsyncTopK` (paper §5.2,
+c_{r,k+1..γ}.  `DSpark` gets this from its early-stop break; `DSparkAsync` (paper §5.2,
 digest §5.4) gets it from computing the capacity on stale confidences and admitting by rank.
 
 This module is pure numpy and knows nothing about models, tensors on device or servers.
@@ -25,24 +25,26 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from dspark.core.sps import SPSTable
 
 __all__ = [
-    "POLICY_NAMES",
-    "AsyncTopK",
-    "Algorithm1",
+    "MODES",
+    "DSparkAsync",
+    "DSpark",
     "Off",
     "Policy",
-    "SkipDrafting",
+    "DSparkSkip",
+    "SkipPlanner",
     "Static",
     "Threshold",
     "candidate_order",
-    "parse_policy",
+    "policy_for",
     "prefix_survival",
 ]
 
-POLICY_NAMES: tuple[str, ...] = (
+MODES: tuple[str, ...] = (
     "off",
     "static:<k>",
     "threshold:<x>",
@@ -50,7 +52,7 @@ POLICY_NAMES: tuple[str, ...] = (
     "dspark-async",
     "dspark-skip",
 )
-"""Valid forms of a policy spec for `parse_policy` (k: int ≥ 0, x: float in [0, 1])."""
+"""Valid forms of a request's mode (k: int ≥ 0, x: float in [0, 1]); `policy_for` builds its policy."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,7 +60,7 @@ POLICY_NAMES: tuple[str, ...] = (
 # ---------------------------------------------------------------------------------------------
 
 
-def prefix_survival(conf: np.ndarray) -> np.ndarray:
+def prefix_survival(conf: ArrayLike) -> np.ndarray:
     """Prefix survival a_{r,j} = Π_{i≤j} c_{r,i} along the last axis (digest §5.1).
 
     With c in [0, 1], a is non-increasing in j, also in floating point (x·c ≤ x exactly
@@ -67,8 +69,8 @@ def prefix_survival(conf: np.ndarray) -> np.ndarray:
     return np.cumprod(np.asarray(conf, dtype=np.float64), axis=-1)
 
 
-def candidate_order(survival: np.ndarray, max_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Candidates (r, j) with a_{r,j} > 0 and j ≤ max_len[r], in admission order.
+def candidate_order(survival: np.ndarray, available: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Candidates (r, j) with a_{r,j} > 0 and j ≤ available[r], in admission order.
 
     Order: survival descending, ties by ascending j, then ascending r (digest §5.2 step 2).
     The order is deterministic and value-independent on ties, and since a_{r,j} is
@@ -81,7 +83,7 @@ def candidate_order(survival: np.ndarray, max_len: np.ndarray) -> tuple[np.ndarr
     survival = np.asarray(survival, dtype=np.float64)
     gamma = survival.shape[1]
     slots = np.arange(1, gamma + 1)
-    mask = (survival > 0) & (slots[None, :] <= np.asarray(max_len)[:, None])
+    mask = (survival > 0) & (slots[None, :] <= np.asarray(available)[:, None])
     r_idx, j0 = np.nonzero(mask)
     order = np.lexsort((r_idx, j0, -survival[r_idx, j0]))  # last key is the primary key
     return r_idx[order].astype(np.int64), (j0[order] + 1).astype(np.int64)
@@ -100,38 +102,41 @@ def _lengths_from_admitted(r_admitted: np.ndarray, n_requests: int) -> np.ndarra
 class Policy(ABC):
     """Maps per-slot confidences of the active requests to verification lengths ℓ_r.
 
-    `schedule` validates its inputs and returns int64 ℓ with 0 ≤ ℓ_r ≤ max_len[r] ≤ γ; the
+    `schedule` validates its inputs and returns int64 ℓ with 0 ≤ ℓ_r ≤ available[r] ≤ γ; the
     target batch of the round is B = Σ_r (1 + ℓ_r).
     """
 
-    name: str
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """The mode this policy implements (dspark-skip, static:3, ...)."""
 
     def schedule(
-        self, conf: np.ndarray, max_len: np.ndarray, stale_conf: np.ndarray | None = None
+        self, conf: np.ndarray, available: np.ndarray, stale_conf: np.ndarray | None = None
     ) -> np.ndarray:
         """Verification lengths for one round.
 
         Args:
             conf: [R, γ] calibrated conditional confidences c_{r,j} in [0, 1].
-            max_len: [R] number of drafts request r has available, 0..γ.
+            available: [R] number of drafts request r has available, 0..γ.
             stale_conf: [R, γ] confidences of the same requests from two rounds earlier
-                (NaN where there is no history); only `AsyncTopK` reads it.
+                (NaN where there is no history); only `DSparkAsync` reads it.
 
         Returns:
             int64 [R] verification lengths ℓ_r.
         """
-        conf, max_len, stale_conf = _validate(conf, max_len, stale_conf)
+        conf, available, stale_conf = _validate(conf, available, stale_conf)
         if conf.shape[0] == 0:
             return np.zeros(0, dtype=np.int64)
-        return self._schedule(conf, max_len, stale_conf).astype(np.int64)
+        return self._schedule(conf, available, stale_conf).astype(np.int64)
 
     @abstractmethod
-    def _schedule(self, conf: np.ndarray, max_len: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
+    def _schedule(self, conf: np.ndarray, available: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
         """Policy body on validated inputs with R ≥ 1."""
 
 
 def _validate(
-    conf: np.ndarray, max_len: np.ndarray, stale_conf: np.ndarray | None
+    conf: np.ndarray, available: np.ndarray, stale_conf: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     conf = np.asarray(conf, dtype=np.float64)
     if conf.ndim != 2:
@@ -141,17 +146,17 @@ def _validate(
         raise ValueError(
             "conf must hold calibrated confidences in [0, 1] with no NaN; clip or fix the head output."
         )
-    max_len_arr = np.asarray(max_len)
-    if max_len_arr.shape != (n_requests,):
+    available_arr = np.asarray(available)
+    if available_arr.shape != (n_requests,):
         raise ValueError(
-            f"max_len must have shape ({n_requests},) to match conf {conf.shape}, got {max_len_arr.shape}."
+            f"available must have shape ({n_requests},) like conf {conf.shape}, got {available_arr.shape}."
         )
-    if max_len_arr.size and not np.all(np.mod(max_len_arr, 1) == 0):
-        raise ValueError("max_len must hold integer draft counts.")
-    max_len_arr = max_len_arr.astype(np.int64)
-    if max_len_arr.size and not np.all((max_len_arr >= 0) & (max_len_arr <= gamma)):
+    if available_arr.size and not np.all(np.mod(available_arr, 1) == 0):
+        raise ValueError("available must hold integer draft counts.")
+    available_arr = available_arr.astype(np.int64)
+    if available_arr.size and not np.all((available_arr >= 0) & (available_arr <= gamma)):
         raise ValueError(
-            f"max_len must lie in 0..γ={gamma} (drafts available per request), got {max_len_arr}."
+            f"available must lie in 0..γ={gamma} (drafts available per request), got {available_arr}."
         )
     if stale_conf is not None:
         stale_conf = np.asarray(stale_conf, dtype=np.float64)
@@ -163,7 +168,7 @@ def _validate(
         finite = stale_conf[~np.isnan(stale_conf)]
         if not np.all((finite >= 0) & (finite <= 1)):
             raise ValueError("stale_conf must hold confidences in [0, 1], or NaN where there is no history.")
-    return conf, max_len_arr, stale_conf
+    return conf, available_arr, stale_conf
 
 
 @dataclass(frozen=True)
@@ -174,13 +179,13 @@ class Off(Policy):
     def name(self) -> str:
         return "off"
 
-    def _schedule(self, conf: np.ndarray, max_len: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
+    def _schedule(self, conf: np.ndarray, available: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
         return np.zeros(conf.shape[0], dtype=np.int64)
 
 
 @dataclass(frozen=True)
 class Static(Policy):
-    """Static MTP-k (digest §5.5): ℓ_r = min(k, max_len[r]), whatever the load or confidence."""
+    """Static MTP-k (digest §5.5): ℓ_r = min(k, available[r]), whatever the load or confidence."""
 
     k: int
 
@@ -192,8 +197,8 @@ class Static(Policy):
     def name(self) -> str:
         return f"static:{self.k}"
 
-    def _schedule(self, conf: np.ndarray, max_len: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
-        return np.minimum(max_len, int(self.k))
+    def _schedule(self, conf: np.ndarray, available: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
+        return np.minimum(available, int(self.k))
 
 
 @dataclass(frozen=True)
@@ -201,7 +206,7 @@ class Threshold(Policy):
     """Fixed confidence threshold (digest §5.5; EAGLE-2/SpecDec++ style, load-blind).
 
     ℓ_r = number of leading slots with c_{r,j} ≥ x: truncate at the first slot whose
-    conditional confidence is below x, capped by max_len.  Non-anticipating: slot k is kept
+    conditional confidence is below x, capped by available.  Non-anticipating: slot k is kept
     only on c_{r,1..k}.
     """
 
@@ -215,16 +220,16 @@ class Threshold(Policy):
     def name(self) -> str:
         return f"threshold:{self.x}"
 
-    def _schedule(self, conf: np.ndarray, max_len: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
+    def _schedule(self, conf: np.ndarray, available: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
         leading = np.cumprod(conf >= self.x, axis=1).sum(axis=1)
-        return np.minimum(leading, max_len)
+        return np.minimum(leading, available)
 
 
 @dataclass(frozen=True)
-class Algorithm1(Policy):
+class DSpark(Policy):
     """DSpark Algorithm 1: causal greedy with early stopping (paper §3.2.2; digest §5.2–5.3).
 
-    Candidates (r, j) with a_{r,j} > 0 and j ≤ max_len[r] are scanned in `candidate_order`
+    Candidates (r, j) with a_{r,j} > 0 and j ≤ available[r] are scanned in `candidate_order`
     (survival descending, ties by ascending j then r).  Start with ℓ = 0, B = R, τ* = R,
     Θ_best = R · SPS(R).  For each candidate: ℓ_r = j, B += 1, τ* += a_{r,j},
     Θ = τ* · SPS(B); commit if Θ > Θ_best (strict), else BREAK.
@@ -233,23 +238,23 @@ class Algorithm1(Policy):
     candidates ranked before it (other requests, and (r, j<k)) and on a_{r,k}, never on
     c_{r,k+1..} which depend on x_{r,k} (paper App. A).  The result is the global optimum
     of Θ iff Θ along the sorted path is unimodal; a jagged SPS table can trap it in a local
-    optimum — that is what `AsyncTopK` addresses.
+    optimum — that is what `DSparkAsync` addresses.
     """
 
     sps: SPSTable
 
     def __post_init__(self) -> None:
         if not isinstance(self.sps, SPSTable):
-            raise ValueError("Algorithm1 needs an SPSTable (measured SPS(B)); profile the engine first.")
+            raise ValueError("DSpark needs an SPSTable (measured SPS(B)); profile the engine first.")
 
     @property
     def name(self) -> str:
         return "dspark"
 
-    def _schedule(self, conf: np.ndarray, max_len: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
+    def _schedule(self, conf: np.ndarray, available: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
         n_requests = conf.shape[0]
         survival = prefix_survival(conf)
-        r_idx, j_idx = candidate_order(survival, max_len)
+        r_idx, j_idx = candidate_order(survival, available)
         gains = survival[r_idx, j_idx - 1]
         # Θ along the greedy path: point n has admitted the first n candidates.
         tau = n_requests + np.concatenate(([0.0], np.cumsum(gains)))
@@ -263,17 +268,17 @@ class Algorithm1(Policy):
 
 
 @dataclass(frozen=True)
-class AsyncTopK(Policy):
+class DSparkAsync(Policy):
     """DSpark asynchronous scheduling: stale capacity K, then dynamic top-K (paper §5.2; digest §5.4).
 
     1. Capacity K from `stale_conf` (two rounds old; NaN entries, or no stale_conf at all,
        are replaced by the conditional confidence `prior` at that slot).  Stale survivals of
-       slots j ≤ max_len[r] with a > 0 are sorted descending and
+       slots j ≤ available[r] with a > 0 are sorted descending and
        Θ(n) = (R + sum of the top-n stale survivals) · SPS(R + n), n = 0..N, is searched
        WITHOUT a break; K = argmax_n Θ(n), the smallest n on ties.  The unconstrained search
        escapes the local optima of a jagged SPS table.
     2. Admission: the top-K candidates in `candidate_order` of the CURRENT survivals
-       (a_{r,j} > 0, j ≤ max_len[r]); ℓ_r = number admitted for r, which is always a prefix
+       (a_{r,j} > 0, j ≤ available[r]); ℓ_r = number admitted for r, which is always a prefix
        of r's slots because a is non-increasing in j and ties break by ascending j.
 
     Why this is lossless (non-anticipation, digest §5.3–5.4): K is a function of the stale
@@ -289,69 +294,69 @@ class AsyncTopK(Policy):
 
     def __post_init__(self) -> None:
         if not isinstance(self.sps, SPSTable):
-            raise ValueError("AsyncTopK needs an SPSTable (measured SPS(B)); profile the engine first.")
+            raise ValueError("DSparkAsync needs an SPSTable (measured SPS(B)); profile the engine first.")
         if not (isinstance(self.prior, int | float | np.floating) and 0.0 <= float(self.prior) <= 1.0):
             raise ValueError(
-                f"AsyncTopK prior must be a conditional confidence in [0, 1], got {self.prior!r}."
+                f"DSparkAsync prior must be a conditional confidence in [0, 1], got {self.prior!r}."
             )
 
     @property
     def name(self) -> str:
         return "dspark-async"
 
-    def capacity(self, stale_conf: np.ndarray | None, max_len: np.ndarray) -> int:
+    def capacity(self, stale_conf: np.ndarray | None, available: np.ndarray) -> int:
         """Global verify budget K (draft tokens across the batch) from stale confidences.
 
         Args:
             stale_conf: [R, γ] confidences from two rounds earlier, NaN where unknown, or None.
-            max_len: [R] drafts available per request now; slots beyond it are not candidates.
+            available: [R] drafts available per request now; slots beyond it are not candidates.
         """
-        max_len = np.asarray(max_len, dtype=np.int64)
-        n_requests = max_len.shape[0]
+        available = np.asarray(available, dtype=np.int64)
+        n_requests = available.shape[0]
         if n_requests == 0:
             return 0
         if stale_conf is None:
-            gamma = int(max_len.max())
+            gamma = int(available.max())
             stale = np.full((n_requests, gamma), float(self.prior))
         else:
             stale = np.asarray(stale_conf, dtype=np.float64)
             stale = np.where(np.isnan(stale), float(self.prior), stale)
         survival = prefix_survival(stale)
         slots = np.arange(1, stale.shape[1] + 1)
-        mask = (survival > 0) & (slots[None, :] <= max_len[:, None])
+        mask = (survival > 0) & (slots[None, :] <= available[:, None])
         gains = np.sort(survival[mask])[::-1]
         tau = n_requests + np.concatenate(([0.0], np.cumsum(gains)))
         batch = n_requests + np.arange(len(gains) + 1)
         theta = tau * self.sps._sps_array(batch)
         return int(np.argmax(theta))  # first occurrence: smallest n on ties
 
-    def _schedule(self, conf: np.ndarray, max_len: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
+    def _schedule(self, conf: np.ndarray, available: np.ndarray, stale_conf: np.ndarray | None) -> np.ndarray:
         n_requests = conf.shape[0]
-        k_capacity = self.capacity(stale_conf, max_len)
-        r_idx, _ = candidate_order(prefix_survival(conf), max_len)
+        k_capacity = self.capacity(stale_conf, available)
+        r_idx, _ = candidate_order(prefix_survival(conf), available)
         return _lengths_from_admitted(r_idx[:k_capacity], n_requests)
 
 
 @dataclass(frozen=True)
-class SkipDrafting(Algorithm1):
+class DSparkSkip(DSpark):
     """Algorithm 1, plus a decision before the draft round: which requests draft at all.
 
     The paper's drafter cost is paid for every request even when the scheduler then verifies
     0–1 of its drafts; on a CPU a draft round is not free. `plan` decides, from each request's
-    STALE confidences (its last round's, NaN when it has none) and the SPS table, whether
-    drafting is worth its measured cost this round; requests that do not draft verify ℓ = 0,
-    i.e. decode one target token. Lossless: the decision never looks at this round's drafts.
+    LAST round's confidences (NaN when it has none) and the SPS table, whether drafting is
+    worth its measured cost this round; requests that do not draft verify ℓ = 0, i.e. decode
+    one target token. Lossless: the decision never looks at this round's drafts.
 
     Expected tokens per second of a plan with drafting set D (R requests in the round):
         no drafting:  R / t(R)
         D non-empty:  (R + Σ_{r∈D} E_r) / (t_draft + t(R + Σ_{r∈D} ℓ_r))
-    where ℓ_r is what Algorithm 1 would verify on the stale survivals and E_r their sum. Sets
+    where ℓ_r is what Algorithm 1 would verify on the last survivals and E_r their sum. Sets
     D are the `forced` requests plus the top-k of the rest by E_r, k = 0..R (the best k wins,
     the smallest on ties). Requests with no history are forced to draft (nothing to go on).
+    `SkipPlanner` adds the refreshes that keep those confidences from going stale.
     """
 
     prior: float = 0.7
-    skip_drafting = True
 
     @property
     def name(self) -> str:
@@ -359,26 +364,26 @@ class SkipDrafting(Algorithm1):
 
     def plan(
         self,
-        stale_conf: np.ndarray,
-        max_len: np.ndarray,
+        last_conf: np.ndarray,
+        available: np.ndarray,
         draft_seconds: float | None,
         forced: np.ndarray | None = None,
     ) -> np.ndarray:
         """bool [R]: which requests draft this round."""
-        stale = np.asarray(stale_conf, dtype=np.float64)
-        max_len = np.asarray(max_len, dtype=np.int64)
-        R = stale.shape[0]
+        last = np.asarray(last_conf, dtype=np.float64)
+        available = np.asarray(available, dtype=np.int64)
+        R = last.shape[0]
         forced = np.zeros(R, bool) if forced is None else np.asarray(forced, bool).copy()
-        forced |= np.isnan(stale).all(axis=1)
+        forced |= np.isnan(last).all(axis=1)
         if draft_seconds is None or R == 0:
             return np.ones(R, bool)
-        stale = np.where(np.isnan(stale), self.prior, stale)
-        ell = self.schedule(stale, max_len)
-        surv = prefix_survival(stale)
+        last = np.where(np.isnan(last), self.prior, last)
+        ell = self.schedule(last, available)
+        surv = prefix_survival(last)
         gain = np.array([surv[r, : ell[r]].sum() for r in range(R)])
         rest = np.flatnonzero(~forced)
         rest = rest[np.argsort(-gain[rest], kind="stable")]
-        best, best_mask = -1.0, None
+        best, best_mask = -1.0, forced
         for k in range(len(rest) + 1):
             mask = forced.copy()
             mask[rest[:k]] = True
@@ -392,25 +397,80 @@ class SkipDrafting(Algorithm1):
         return best_mask
 
 
+class SkipPlanner:
+    """dspark-skip across rounds: `DSparkSkip.plan` plus refreshes of stale confidences.
+
+    A request that stops drafting keeps the confidences of its last drafted round; if it never
+    drafted again they would decide forever. So a request drafts anyway when it is due for a
+    refresh (`refresh` rounds without drafting). Each refresh that the plan would not have
+    chosen on its own merits doubles the request's interval (4, 8, 16, 32 rounds): when drafting
+    never pays on this machine, refreshes stop costing a fixed share of every round. As soon as
+    the plan picks the request on its own merits, its interval drops back to 4. Refreshes are
+    synchronised (only every REFRESH-th round, and every interval is a multiple of it), so the
+    draft call they cost is paid once for all requests due, not once per staggered request.
+    """
+
+    REFRESH = 4
+    REFRESH_MAX = 32
+
+    def __init__(self, policy: DSparkSkip) -> None:
+        self.policy = policy
+        self._skipped: dict[int, int] = {}  # request → consecutive rounds without drafting
+        self._refresh: dict[int, int] = {}  # request → rounds without drafting before a refresh
+
+    def choose(
+        self,
+        round_index: int,
+        rids: list[int],
+        last_conf: np.ndarray,
+        available: np.ndarray,
+        draft_seconds: float | None,
+    ) -> np.ndarray:
+        """bool [R]: which of these requests draft this round (`last_conf`: their last
+        drafted round's confidences, NaN rows for none; `available`: drafts each may verify)."""
+        refresh_round = round_index % self.REFRESH == 0
+        skipped = np.array([self._skipped.get(r, 0) for r in rids])
+        interval = np.array([self._refresh.get(r, self.REFRESH) for r in rids])
+        forced = refresh_round & (skipped + 1 >= interval)
+        has_history = ~np.isnan(np.asarray(last_conf, dtype=np.float64)).all(axis=1)
+        merit = self.policy.plan(last_conf, available, draft_seconds) if forced.any() else None
+        mask = self.policy.plan(last_conf, available, draft_seconds, forced)
+        for r, rid in enumerate(rids):
+            if merit is not None and forced[r] and not merit[r]:
+                self._refresh[rid] = min(2 * int(interval[r]), self.REFRESH_MAX)
+            elif mask[r] and has_history[r]:
+                self._refresh[rid] = self.REFRESH
+            self._skipped[rid] = 0 if mask[r] else int(skipped[r]) + 1
+        return mask
+
+    def interval(self, rid: int) -> int:
+        """Rounds without drafting after which request `rid` drafts again (a refresh)."""
+        return self._refresh.get(rid, self.REFRESH)
+
+    def forget(self, rid: int) -> None:
+        self._skipped.pop(rid, None)
+        self._refresh.pop(rid, None)
+
+
 # ---------------------------------------------------------------------------------------------
-# Policy specs
+# Modes
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
-    """Build a policy from its spec string: one of `POLICY_NAMES`.
+def policy_for(mode: str, sps: SPSTable | None = None) -> Policy:
+    """The policy of a request's mode string: one of `MODES`.
 
     "off", "static:<k>" (int k ≥ 0), "threshold:<x>" (float x in [0, 1]), "dspark",
     "dspark-async" and "dspark-skip" (these three need `sps`, the measured SPS(B) table).
     """
-    valid = ", ".join(repr(s) for s in POLICY_NAMES)
-    if not isinstance(spec, str):
-        raise ValueError(f"policy spec must be a string, one of {valid}; got {spec!r}.")
-    text = spec.strip()
+    valid = ", ".join(repr(s) for s in MODES)
+    if not isinstance(mode, str):
+        raise ValueError(f"mode must be a string, one of {valid}; got {mode!r}.")
+    text = mode.strip()
     head, sep, arg = text.partition(":")
 
     def bad(why: str) -> ValueError:
-        return ValueError(f"invalid policy spec {spec!r}: {why}. Valid forms: {valid}.")
+        return ValueError(f"invalid mode {mode!r}: {why}. Valid forms: {valid}.")
 
     if head in ("off", "dspark", "dspark-async", "dspark-skip"):
         if sep:
@@ -419,10 +479,10 @@ def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
             return Off()
         if sps is None:
             raise ValueError(
-                f"policy {head!r} needs an SPS table (measured engine steps per second vs batch tokens); "
+                f"mode {head!r} needs an SPS table (measured engine steps per second vs batch tokens); "
                 "pass sps=SPSTable.from_json(...) or profile the engine first."
             )
-        return {"dspark": Algorithm1, "dspark-async": AsyncTopK, "dspark-skip": SkipDrafting}[head](sps)
+        return {"dspark": DSpark, "dspark-async": DSparkAsync, "dspark-skip": DSparkSkip}[head](sps)
     if head == "static":
         try:
             k = int(arg)
@@ -439,10 +499,10 @@ def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
         if not 0.0 <= x <= 1.0:
             raise bad("x must be a float in [0, 1]")
         return Threshold(x)
-    raise bad("unknown policy")
+    raise bad("unknown mode")
 
 
-def check_policy_spec(spec: str) -> None:
-    """Raise ValueError if `spec` is not a valid policy spec (syntax only: a flat SPS table
-    stands in for the measured one, which may not exist yet)."""
-    parse_policy(spec, SPSTable.from_step_times([1, 2], [1.0, 1.0]))
+def check_mode(mode: str) -> None:
+    """Raise ValueError if `mode` is not a valid mode (syntax only: a flat SPS table stands in
+    for the measured one, which may not exist yet)."""
+    policy_for(mode, SPSTable.from_step_times([1, 2], [1.0, 1.0]))

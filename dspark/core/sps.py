@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -41,6 +42,8 @@ class SPSTable:
     batch_tokens: tuple[int, ...]
     steps_per_second: tuple[float, ...]
     meta: dict = field(default_factory=dict, compare=False)
+    _b: np.ndarray = field(init=False, repr=False, compare=False)  # B as float64 (set in __post_init__)
+    _t: np.ndarray = field(init=False, repr=False, compare=False)  # step times 1 / SPS
 
     def __post_init__(self) -> None:
         b = tuple(self.batch_tokens)
@@ -75,10 +78,10 @@ class SPSTable:
                     f"SPSTable batch_tokens must be strictly increasing, got {prev} before {cur}; "
                     "sort the table by B."
                 )
-        for bt, v in zip(b, s, strict=True):
-            if not (math.isfinite(v) and v > 0):
+        for bt, sps_b in zip(b, s, strict=True):
+            if not (math.isfinite(sps_b) and sps_b > 0):
                 raise ValueError(
-                    f"SPSTable steps_per_second must be finite and > 0, got {v!r} at B={bt}; "
+                    f"SPSTable steps_per_second must be finite and > 0, got {sps_b!r} at B={bt}; "
                     "re-measure that point."
                 )
         object.__setattr__(self, "batch_tokens", b)
@@ -172,3 +175,25 @@ class SPSTable:
         with Path(path).open("w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=2)
             f.write("\n")
+
+
+def measure_sps(
+    step: Callable[[int], object],
+    sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    repeats: int = 3,
+    meta: dict | None = None,
+) -> SPSTable:
+    """A quick SPS(B) table: `step(B)` runs one target step of B batch tokens; each size is run
+    once to warm up, then timed `repeats` times (the fastest counts); the table is the monotone
+    fit. Used where perf_analyzer's sweep (`dspark sps`) has not been run: at server start
+    through the target's probe entry, and in-process with a runner."""
+    secs = []
+    for b in sizes:
+        step(b)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            step(b)
+            best = min(best, time.perf_counter() - t)
+        secs.append(best)
+    return SPSTable.from_step_times(list(sizes), secs, dict(meta or {})).monotone()

@@ -69,7 +69,7 @@ def chain_verify(
     # gather first, then widen: the same numbers as widening [R, γ, V] first, without
     # converting whole vocabularies every round
     p_at_x = target_probs[:, :G].gather(-1, idx).squeeze(-1).double()  # p_{k-1}(x_k)
-    q_idx = idx if draft_vocab is None else draft_index[:, :G].unsqueeze(-1)
+    q_idx = idx if draft_vocab is None or draft_index is None else draft_index[:, :G].unsqueeze(-1)
     q_at_x = draft_probs[:, :G].gather(-1, q_idx).squeeze(-1).double()  # q_k(x_k)
     # u < p/q without dividing: a draft with q = 0 could not have been sampled
     ok = u[:, :G].double() * q_at_x < p_at_x

@@ -73,7 +73,7 @@ class Eagle3Config:
     feature_size: int
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
-    block_size: int = 7  # γ = TTT length = tokens proposed per round
+    block_size: int = 7  # γ = TTT length = tokens verified per round
     num_layers: int = 1
 
     def __post_init__(self) -> None:

@@ -109,9 +109,7 @@ def load_checkpoint_dir(path: Path, dtype: torch.dtype = torch.float32) -> Llama
 
         hf = AutoConfig.from_pretrained(path)
         if getattr(hf, "model_type", "") != "llama":
-            raise ValueError(
-                f"{path}: model_type {hf.model_type!r} is not supported (Llama only)"
-            )
+            raise ValueError(f"{path}: model_type {hf.model_type!r} is not supported (Llama only)")
         cfg = TargetConfig.from_hf(hf, default_feature_layers(hf.num_hidden_layers))
     else:
         raise FileNotFoundError(f"{path} has neither dspark_target.json nor config.json")

@@ -13,12 +13,12 @@ Families (all prefixed `dspark_`):
   verify_length                      histogram: drafts verified (ℓ) per speculative sequence-round
   position_verified_total{position}  drafts verified at block position k (1-based)
   position_accepted_total{position}  of those, accepted
-  scheduler_budget                   histogram: Σℓ over the batch of one round (one per round)
-  active_sequences / queued_requests / free_slots      gauges, after every engine step
+  round_verified_tokens                   histogram: Σℓ over the batch of one round (one per round)
+  active_sequences / queued_requests / free_slots      gauges, after every round
   drafter_available                  gauge: 1 while drafting, 0 during a fallback to target-only
   fallback_events_total{reason}      drafter failures that switched requests to target-only
   skipped_drafts_total               dspark-skip: request-rounds that decided not to draft
-  engine_steps_total / engine_step_seconds_total        busy engine steps and their wall time
+  rounds_total / round_seconds_total          busy batcher rounds and their wall time
   bls_calls_total{model_called} / bls_seconds_total{model_called}   BLS calls and time inside them
   calibration_predicted_survival{position} / calibration_realized_survival{position}
                                      running means over verified positions: the calibrated
@@ -34,7 +34,7 @@ from collections import defaultdict
 import numpy as np
 
 ROUND_BUCKETS = [0, 1, 2, 3, 4, 5, 6, 7]
-BUDGET_BUCKETS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
+VERIFIED_BUCKETS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
 class _Histogram:
@@ -64,7 +64,7 @@ class ServingMetrics:
         self.hists: dict[str, _Histogram] = {
             "acceptance_length": _Histogram(ROUND_BUCKETS[: gamma + 1]),
             "verify_length": _Histogram(ROUND_BUCKETS[: gamma + 1]),
-            "scheduler_budget": _Histogram(BUDGET_BUCKETS),
+            "round_verified_tokens": _Histogram(VERIFIED_BUCKETS),
         }
         self._pred = np.zeros(gamma)
         self._real = np.zeros(gamma)
@@ -99,35 +99,35 @@ class ServingMetrics:
     def gauge(self, name: str, **labels) -> float | None:
         return self.gauges.get((name, tuple(sorted(labels.items()))))
 
-    # -- what the engine reports --------------------------------------------------------------
+    # -- what the batcher reports --------------------------------------------------------------
 
-    def speculative_round(self, proposed: int, accepted: int, survival: np.ndarray | None) -> None:
+    def speculative_round(self, verified: int, accepted: int, survival: np.ndarray | None) -> None:
         """One sequence's speculative round: ℓ verified, `accepted` accepted; `survival` is the
         calibrated prefix survival the scheduler saw for positions 1..γ (None without a head)."""
         self.inc("sequence_rounds_total", kind="speculative")
-        self.observe("verify_length", proposed)
+        self.observe("verify_length", verified)
         self.observe("acceptance_length", accepted)
-        for k in range(1, proposed + 1):
+        for k in range(1, verified + 1):
             self.inc("position_verified_total", position=str(k))
             if k <= accepted:
                 self.inc("position_accepted_total", position=str(k))
-        if survival is None or proposed == 0:
+        if survival is None or verified == 0:
             return
         with self._lock:
-            k = np.arange(proposed)
-            self._pred[k] += survival[:proposed]
+            k = np.arange(verified)
+            self._pred[k] += survival[:verified]
             self._real[k] += (k < accepted).astype(float)
             self._n[k] += 1
             pred, real = self._pred[k] / self._n[k], self._real[k] / self._n[k]
-        for i in range(proposed):
+        for i in range(verified):
             self.set_gauge("calibration_predicted_survival", pred[i], position=str(i + 1))
             self.set_gauge("calibration_realized_survival", real[i], position=str(i + 1))
 
     def target_rounds(self, n: int) -> None:
         self.inc("sequence_rounds_total", n, kind="target_only")
 
-    def round_budget(self, budget: int) -> None:
-        self.observe("scheduler_budget", budget)
+    def round_verified(self, verified: int) -> None:
+        self.observe("round_verified_tokens", verified)
 
     def occupancy(self, active: int, queued: int, free_slots: int) -> None:
         self.set_gauge("active_sequences", active)
@@ -171,7 +171,7 @@ DESCRIPTIONS = {
     "verify_length": "Drafts verified (verification length) per speculative sequence-round",
     "position_verified_total": "Drafts verified at each block position",
     "position_accepted_total": "Drafts accepted at each block position",
-    "scheduler_budget": "Drafts verified over the whole batch in one round",
+    "round_verified_tokens": "Drafts verified over the whole batch in one round",
     "active_sequences": "Sequences holding a slot",
     "queued_requests": "Requests waiting for a slot",
     "free_slots": "Target sequence slots free",
@@ -181,10 +181,10 @@ DESCRIPTIONS = {
     "calibration_realized_survival": "Mean realized prefix survival, per position",
     "sps_table": "The SPS table in use (label source)",
     "skipped_drafts_total": "Request-rounds where dspark-skip decided drafting would not pay",
-    "engine_steps_total": "Engine steps that ran at least one request",
+    "rounds_total": "Batcher rounds that ran at least one request",
     "bls_calls_total": "BLS calls from the orchestrator, per called model",
     "bls_seconds_total": "Seconds inside BLS calls (transport + the model's execution), per called model",
-    "engine_step_seconds_total": "Wall time of those engine steps (model calls + everything else)",
+    "round_seconds_total": "Wall time of those rounds (model calls + everything else)",
 }
 
 

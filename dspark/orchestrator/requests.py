@@ -10,7 +10,6 @@ import numpy as np
 
 from dspark.core.interfaces import Request, RequestError
 from dspark.core.sampling import SamplingParams
-from dspark.core.scheduler import check_policy_spec
 
 DEFAULT_MAX_TOKENS = 128  # when a request does not say (capped by the room left in the context)
 INPUTS = (
@@ -126,11 +125,7 @@ def parse(inputs: dict, limits: Limits, chat_ids) -> tuple[Request, str, list[st
     if top_k < 0:
         raise RequestError(f"top_k must be >= 0 (0 = off), got {top_k}")
     seed = _scalar(inputs, "seed", int, None)
-    mode = _scalar(inputs, "mode", str, limits.default_mode).strip()
-    try:
-        check_policy_spec(mode)
-    except ValueError as e:
-        raise RequestError(f"mode: {e}") from None
+    mode = _scalar(inputs, "mode", str, limits.default_mode).strip()  # validated by Batcher.policy
     try:
         params = SamplingParams(temperature, top_k, top_p, seed)
     except ValueError as e:

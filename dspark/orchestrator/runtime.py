@@ -24,31 +24,23 @@ from dspark.model_repository.services import target_config
 log = logging.getLogger("dspark.orchestrator")
 
 
-def measure_sps(call, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeats: int = 3):
+def probe_sps(call, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeats: int = 3):
     """A quick SPS(B) table through the target's probe entry (one sequence × B tokens)."""
-    from dspark.core.sps import SPSTable
+    from dspark.core.sps import measure_sps
 
-    secs = []
-    for b in sizes:
-        toks = np.ones((1, b), np.int64)
-        inputs = {"probe_tokens": toks, "probe_context": np.array([context], np.int64)}
-        call("target", inputs, ["probe_argmax"])  # warm-up (and the probe context)
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            call("target", inputs, ["probe_argmax"])
-            best = min(best, time.perf_counter() - t)
-        secs.append(best)
-    table = SPSTable.from_step_times(list(sizes), secs, {"source": "quick startup probe", "context": context})
-    return table.monotone()
+    def step(b: int) -> None:
+        inputs = {"probe_tokens": np.ones((1, b), np.int64), "probe_context": np.array([context], np.int64)}
+        call("target", inputs, ["probe_argmax"])
+
+    return measure_sps(step, sizes, repeats, {"source": "quick startup probe", "context": context})
 
 
 def make_orchestrator(params: dict, call, metrics_backend=None):
     from dspark.core.calibration import STS
     from dspark.core.interfaces import RequestError
     from dspark.core.sps import SPSTable
+    from dspark.orchestrator.batcher import Batcher
     from dspark.orchestrator.bls import RemoteDrafter, RemoteTarget
-    from dspark.orchestrator.engine import Engine
     from dspark.orchestrator.metrics import ServingMetrics
     from dspark.orchestrator.requests import Limits
     from dspark.orchestrator.streaming import Orchestrator
@@ -96,7 +88,7 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
     gamma = drafter.block_size if drafter is not None else 7
     metrics = ServingMetrics(gamma, metrics_backend, {"model": "dspark"})
     metrics.set_gauge("sps_table", 1.0, source="file" if sps is not None else "none")
-    engine = Engine(
+    batcher = Batcher(
         target,
         drafter,
         sps,
@@ -116,18 +108,15 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
         stop_ids=frozenset(cfg.eos_token_ids),
         default_mode=params.get("default_mode", "dspark") if drafter is not None else "off",
     )
-    orch = Orchestrator(engine, limits, chat_ids, decode)
-    orch.bls_time = bls_time  # model → [calls, seconds], published by the engine thread
-    if sps is None:
-        orch.on_start = lambda: _quick_sps(orch, call)
-    return orch
+    on_start = (lambda: _quick_sps(batcher, call)) if sps is None else None
+    return Orchestrator(batcher, limits, chat_ids, decode, bls_time=bls_time, on_start=on_start)
 
 
-def _quick_sps(orch, call) -> None:
-    sps = measure_sps(call)
-    orch.engine.set_sps(sps)
-    orch.engine.metrics.set_gauge("sps_table", 0.0, source="none")
-    orch.engine.metrics.set_gauge("sps_table", 1.0, source="quick_probe")
+def _quick_sps(batcher, call) -> None:
+    sps = probe_sps(call)
+    batcher.set_sps(sps)
+    batcher.metrics.set_gauge("sps_table", 0.0, source="none")
+    batcher.metrics.set_gauge("sps_table", 1.0, source="quick_probe")
     log.warning(
         "no SPS table given (sps_path): measured a quick one through the target probe: %s",
         ", ".join(f"B={b}: {v:.1f}/s" for b, v in zip(sps.batch_tokens, sps.steps_per_second)),

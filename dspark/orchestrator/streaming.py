@@ -1,5 +1,5 @@
-"""The `dspark` model's engine loop: submissions from Triton's execute(), one background thread
-that runs the in-flight Engine, and streaming of committed tokens to each request's sender.
+"""The `dspark` model's loop: submissions from Triton's execute(), one background thread that runs
+the in-flight Batcher, and streaming of committed tokens to each request's sender.
 
 A `Sender` is what model.py adapts from Triton's response sender:
     send(outputs: dict[str, np.ndarray], final: bool), error(message), is_cancelled() -> bool
@@ -16,8 +16,8 @@ from collections import deque
 
 import numpy as np
 
-from dspark.core.interfaces import RequestError, Result
-from dspark.orchestrator.engine import Busy, Engine
+from dspark.core.interfaces import RequestError
+from dspark.orchestrator.batcher import Batcher, Busy, ServedResult
 from dspark.orchestrator.requests import Limits, parse, wants_stream
 
 log = logging.getLogger("dspark.orchestrator")
@@ -42,7 +42,7 @@ class Detokenizer:
 
 
 class StreamSink:
-    """Engine sink → one request's sender (token chunks, then a final response)."""
+    """Batcher sink → one request's sender (token chunks, then a final response)."""
 
     def __init__(self, sender, decode, stop: list[str], mode: str, on_stop=None, stream: bool = True) -> None:
         self.sender = sender
@@ -95,7 +95,7 @@ class StreamSink:
             out["stats"] = np.array([json.dumps(stats).encode()], dtype=np.object_)
         self.sender.send(out, final)
 
-    def done(self, result: Result) -> None:
+    def done(self, result: ServedResult) -> None:
         if self.closed:
             return
         self.closed = True
@@ -117,22 +117,33 @@ class StreamSink:
 
 
 class Orchestrator:
-    """Owns the Engine and its thread. `submit` is called from Triton's execute()."""
+    """Owns the Batcher and its thread. `submit` is called from Triton's execute().
 
-    def __init__(self, engine: Engine, limits: Limits, chat_ids, decode) -> None:
-        self.engine = engine
+    bls_time: model → [calls, seconds] that the transport fills (published as metrics after
+    every round); on_start: run once on the batcher thread before the first request is decoded
+    (the server is fully up then, so BLS calls work: e.g. measure SPS through the target)."""
+
+    def __init__(
+        self,
+        batcher: Batcher,
+        limits: Limits,
+        chat_ids,
+        decode,
+        bls_time: dict[str, list] | None = None,
+        on_start=None,
+    ) -> None:
+        self.batcher = batcher
         self.limits = limits
         self.chat_ids = chat_ids
         self.decode = decode
+        self.bls_time = bls_time if bls_time is not None else {}
+        self.on_start = on_start
         self._inbox: deque = deque()
         self._wake = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="dspark-batcher", daemon=True)
         self._senders: dict[int, object] = {}
-        self.rounds = 0
-        self.bls_time: dict[str, list] = {}  # model → [calls, seconds] (runtime.make_orchestrator fills it)
         self._bls_sent: dict[str, tuple] = {}
-        self.on_start = None  # run first on the engine thread (e.g. measure SPS through BLS)
 
     def start(self) -> Orchestrator:
         self._thread.start()
@@ -145,14 +156,13 @@ class Orchestrator:
         self._thread.join(timeout)
 
     def submit(self, inputs: dict, sender) -> None:
-        """Validate now (errors go straight back), decode later on the engine thread."""
+        """Parse now (errors go straight back), decode later on the batcher thread (which
+        validates the mode: Batcher.policy)."""
         try:
             req, mode, stop = parse(inputs, self.limits, self.chat_ids)
             stream = wants_stream(inputs)
-            if mode != "off" and self.engine.drafter is None:
-                raise RequestError(f"mode {mode!r} needs a drafter and this server has none: use mode 'off'")
         except (RequestError, ValueError) as e:
-            self.engine.metrics.inc("requests_total", outcome="rejected")
+            self.batcher.metrics.inc("requests_total", outcome="rejected")
             sender.error(str(e))
             return
         with self._wake:
@@ -162,15 +172,15 @@ class Orchestrator:
     def _publish_bls(self) -> None:
         for model, (n, secs) in list(self.bls_time.items()):
             n0, s0 = self._bls_sent.get(model, (0, 0.0))
-            self.engine.metrics.inc("bls_calls_total", n - n0, model_called=model)
-            self.engine.metrics.inc("bls_seconds_total", secs - s0, model_called=model)
+            self.batcher.metrics.inc("bls_calls_total", n - n0, model_called=model)
+            self.batcher.metrics.inc("bls_seconds_total", secs - s0, model_called=model)
             self._bls_sent[model] = (n, secs)
 
     def _loop(self) -> None:
         started = False
         while True:
             with self._wake:
-                while not self._stop and not self._inbox and self.engine.idle:
+                while not self._stop and not self._inbox and self.batcher.idle:
                     self._wake.wait(0.5)
                 if self._stop:
                     break
@@ -186,35 +196,34 @@ class Orchestrator:
             for req, mode, stop, stream, sender in pending:
                 holder: dict = {}
                 sink = StreamSink(
-                    sender, self.decode, stop, mode, lambda h=holder: self.engine.cancel(h["rid"]), stream
+                    sender, self.decode, stop, mode, lambda h=holder: self.batcher.cancel(h["rid"]), stream
                 )
                 try:
-                    rid = self.engine.submit(req, mode, sink)
+                    rid = self.batcher.submit(req, mode, sink)
                 except (ValueError, Busy) as e:
                     if isinstance(e, ValueError):
-                        self.engine.metrics.inc("requests_total", outcome="rejected")
+                        self.batcher.metrics.inc("requests_total", outcome="rejected")
                     sender.error(str(e))
                     continue
                 holder["rid"] = rid
                 self._senders[rid] = sender
             for rid, sender in list(self._senders.items()):
                 if sender.is_cancelled():
-                    self.engine.cancel(rid)
+                    self.batcher.cancel(rid)
             try:
-                busy = not self.engine.idle
+                busy = not self.batcher.idle
                 t0 = time.perf_counter()
-                self.engine.step()
-                self.rounds += 1
+                self.batcher.step()
                 if busy:  # model calls + everything else; the benchmark splits the two
-                    self.engine.metrics.inc("engine_steps_total")
-                    self.engine.metrics.inc("engine_step_seconds_total", time.perf_counter() - t0)
+                    self.batcher.metrics.inc("rounds_total")
+                    self.batcher.metrics.inc("round_seconds_total", time.perf_counter() - t0)
                     self._publish_bls()
-            except Exception:  # the engine isolates request failures; this is a last resort
-                log.exception("engine step failed")
+            except Exception:  # the batcher isolates request failures; this is a last resort
+                log.exception("batcher round failed")
                 time.sleep(0.1)
-            live = {e.live.rid for e in self.engine.active} | {e.live.rid for e in self.engine.queue}
+            live = {e.seq.rid for e in self.batcher.active} | {e.seq.rid for e in self.batcher.queue}
             for rid in [r for r in self._senders if r not in live]:
                 del self._senders[rid]
-        for e in list(self.engine.queue) + list(self.engine.active):
+        for e in list(self.batcher.queue) + list(self.batcher.active):
             e.cancelled = True
-        self.engine.step()  # releases everything, tells the senders
+        self.batcher.step()  # releases everything, tells the senders

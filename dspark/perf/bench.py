@@ -16,7 +16,7 @@ Reported per cell (results/bench.json + .csv):
   peak_rss_mb      peak resident memory of the whole server process group during the cell
   overhead         1 − model execution time / engine step wall time, from the server's own
                    counters: Triton's compute (input + infer + output) of target,
-                   drafter_backbone and drafter_head over dspark_engine_step_seconds_total —
+                   drafter_backbone and drafter_head over dspark_round_seconds_total —
                    i.e. the share of a round spent in BLS transport, Python, scheduling, sampling;
                    split per step into model_ms, bls_transport_ms (time inside BLS calls minus
                    the models' compute) and python_ms (everything outside BLS calls)
@@ -119,8 +119,8 @@ def server_counters(url: str, metrics_url: str | None) -> dict:
     if metrics_url:
         with urllib.request.urlopen(metrics_url, timeout=5) as r:
             m = parse_prometheus(r.read().decode())
-        out["step_seconds"] = m.get('dspark_engine_step_seconds_total{model="dspark"}', 0.0)
-        out["steps"] = m.get('dspark_engine_steps_total{model="dspark"}', 0.0)
+        out["step_seconds"] = m.get('dspark_round_seconds_total{model="dspark"}', 0.0)
+        out["steps"] = m.get('dspark_rounds_total{model="dspark"}', 0.0)
         out["bls_seconds"] = sum(v for k, v in m.items() if k.startswith("dspark_bls_seconds_total"))
         out["bls_calls"] = sum(v for k, v in m.items() if k.startswith("dspark_bls_calls_total"))
     return out
@@ -207,7 +207,7 @@ def summarize(mode, concurrency, gens, errors, wall, before, after, peak_rss) ->
         "itl_ms_p50": pct(itl, 50),
         "itl_ms_p99": pct(itl, 99),
         "tau": sum(s.get("committed_tokens", 0) for s in st) / rounds if rounds else None,
-        "mean_verify_len": sum(s.get("proposed_tokens", 0) for s in st) / rounds if rounds else None,
+        "mean_verify_len": sum(s.get("verified_tokens", 0) for s in st) / rounds if rounds else None,
         "peak_rss_mb": round(peak_rss, 1) if peak_rss else None,
         "step_ms": 1e3 * step_s / steps if steps else None,
         "model_ms_per_step": 1e3 * model_s / steps if steps else None,

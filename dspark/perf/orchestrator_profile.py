@@ -32,12 +32,12 @@ def main() -> None:
     args = ap.parse_args()
 
     from dspark.model_repository.services import make_service
-    from dspark.models.loading import target_dir as _target_dir
-    from dspark.orchestrator.runtime import make_orchestrator, measure_sps
+    from dspark.models.loading import target_dir
+    from dspark.orchestrator.runtime import make_orchestrator, probe_sps
 
     params = {
         "engines_dir": str(Path(args.engines).resolve()),
-        "target_dir": str(_target_dir(DEFAULT_TARGET)),
+        "target_dir": str(target_dir(DEFAULT_TARGET)),
         "num_slots": str(max(4, args.concurrency)),
         "max_len": "1024",
         "threads": str(args.threads),
@@ -55,8 +55,8 @@ def main() -> None:
         return {k: res[k] for k in outputs}
 
     orch = make_orchestrator(params, call)
-    eng = orch.engine
-    eng.set_sps(measure_sps(call))
+    eng = orch.batcher
+    eng.set_sps(probe_sps(call))
     data = shared_dir() / "data" / "eval"
     prompts = [first_turn(data / f"{s}.jsonl") for s in ("gsm8k-test", "humaneval", "mt-bench")]
 

@@ -49,14 +49,14 @@ def read_first_turns(path: Path, limit: int | None, seed: int) -> list[str]:
 
 
 def traces_to_arrays(traces: list[RoundTrace], gamma: int):
-    """(logits [N, γ], accepted [N], proposed [N]) for calibration; an accepted stop token ends
+    """(logits [N, γ], accepted [N], verified [N]) for calibration; an accepted stop token ends
     the effective proposal there (reference notes §3)."""
     if not traces:
         return np.zeros((0, gamma)), np.zeros(0, dtype=int), np.zeros(0, dtype=int)
     logits = np.stack([t.conf_logits for t in traces]).astype(np.float64)
     accepted = np.array([t.accepted for t in traces])
-    proposed = np.array([min(t.proposed, t.accepted) if t.stopped else t.proposed for t in traces])
-    return logits, accepted, proposed
+    verified = np.array([min(t.verified, t.accepted) if t.stopped else t.verified for t in traces])
+    return logits, accepted, verified
 
 
 def evaluate(
@@ -68,7 +68,7 @@ def evaluate(
     progress: bool = True,
     target_factory=None,
 ) -> tuple[dict, dict]:
-    """Returns the result JSON and the per-round arrays (confidence logits, accepted, proposed).
+    """Returns the result JSON and the per-round arrays (confidence logits, accepted, verified).
 
     target_factory(num_slots, max_len) may supply another Target (the ORT engine: `--engines`)."""
     from tqdm import tqdm
@@ -107,17 +107,17 @@ def evaluate(
         "gamma": gamma,
         **stats.to_json_dict(gamma),
     }
-    logits, accepted, proposed = traces_to_arrays(traces, gamma)
+    logits, accepted, verified = traces_to_arrays(traces, gamma)
     if np.any(logits != 0):  # drafters without a confidence head report zeros
-        report = calibration_report(logits, accepted, proposed, sts)
+        report = calibration_report(logits, accepted, verified, sts)
         out["ece_raw"], out["ece_sts"] = report["ece_raw"], report["ece_sts"]
         out["calibration"] = report
-    return out, {"logits": logits, "accepted": accepted, "proposed": proposed}
+    return out, {"logits": logits, "accepted": accepted, "verified": verified}
 
 
 def fit_sts_on_traces(traces: list[RoundTrace], gamma: int) -> STS:
-    logits, accepted, proposed = traces_to_arrays(traces, gamma)
-    return STS.fit(logits, accepted, proposed)
+    logits, accepted, verified = traces_to_arrays(traces, gamma)
+    return STS.fit(logits, accepted, verified)
 
 
 def rollout_traces(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.core.calibration import STS, cumulative_survival, prefix_labels, sigmoid
+from dspark.core.calibration import STS, clipped_survival, prefix_labels, sigmoid
 
 
 def load_evals(folder: Path) -> list[dict]:
@@ -117,7 +117,7 @@ def reliability_bins(pred: np.ndarray, label: np.ndarray, n_bins: int = 20):
 def plot_reliability(
     logits: np.ndarray,
     accepted: np.ndarray,
-    proposed: np.ndarray,
+    verified: np.ndarray,
     sts: STS,
     png: Path,
     positions=(1, 3, 5, 7),
@@ -129,9 +129,9 @@ def plot_reliability(
     import matplotlib.pyplot as plt
 
     gamma = logits.shape[1]
-    labels, valid = prefix_labels(accepted, proposed, gamma)
-    raw = cumulative_survival(sigmoid(logits))
-    cal = cumulative_survival(sts.apply(logits))
+    labels, valid = prefix_labels(accepted, verified, gamma)
+    raw = clipped_survival(sigmoid(logits))
+    cal = clipped_survival(sts.apply(logits))
     positions = [k for k in positions if k <= gamma]
     fig, axes = plt.subplots(1, len(positions), figsize=(3.3 * len(positions), 3.3), squeeze=False)
     for ax, k in zip(axes[0], positions):

@@ -251,7 +251,7 @@ def test_metrics_report_acceptance_and_no_slot_is_leaked(server):
     assert m['dspark_requests_total{model="dspark",outcome="finished"}'] >= 5
     assert m['dspark_position_verified_total{model="dspark",position="1"}'] > 0
     assert m['dspark_acceptance_length_count{model="dspark"}'] > 0
-    assert m['dspark_scheduler_budget_count{model="dspark"}'] > 0
+    assert m['dspark_round_verified_tokens_count{model="dspark"}'] > 0
     assert 0 <= m['dspark_calibration_predicted_survival{model="dspark",position="1"}'] <= 1
     assert m['dspark_drafter_available{model="dspark"}'] == 1.0
     assert m['dspark_sps_table{model="dspark",source="quick_probe"}'] == 1.0

@@ -6,13 +6,12 @@ import pytest
 
 from dspark.core.interfaces import Request
 from dspark.core.reference import generate
-from dspark.core.scheduler import parse_policy
+from dspark.core.scheduler import policy_for
 from dspark.core.sps import SPSTable
 from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, session
 from dspark.models.target import TargetRunner
 from dspark.paths import shared_dir
 from dspark.prompts import first_turn
-
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def test_greedy_through_onnx_engines_equals_the_pytorch_target_on_eval_prompts(b
     sps = SPSTable.from_step_times([1, 32], [1.0, 2.0])
     ort_t = OrtTargetRunner(session(out / "target.opt.onnx", 2), loaded.model.cfg, 3, 1024)
     drafter = OrtDrafterRunner.load(out, num_slots=3, threads=2)
-    spec = generate(ort_t, reqs, drafter=drafter, policy=parse_policy("static:7", sps))
+    spec = generate(ort_t, reqs, drafter=drafter, policy=policy_for("static:7", sps))
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     assert sum(r.stats.accepted_tokens for r in spec) > 0, "the shipped drafter accepted nothing"
     assert drafter.free_slots == 3 and ort_t.cache.free_slots == 3

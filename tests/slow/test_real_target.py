@@ -5,12 +5,11 @@ import torch
 
 from dspark.core.interfaces import Request
 from dspark.core.reference import generate
-from dspark.core.scheduler import parse_policy
+from dspark.core.scheduler import policy_for
 from dspark.core.sps import SPSTable
 from dspark.models.loading import cache_dir, load_target
 from dspark.models.model_drafter import ModelDrafter
 from dspark.models.target import LlamaTarget, TargetRunner
-
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +61,7 @@ def test_real_target_speculative_greedy_equals_target_greedy(loaded):
             TargetRunner(loaded.model, 2, 512),
             reqs,
             drafter=ModelDrafter(draft.eval(), block_size=7, num_slots=2, max_len=512),
-            policy=parse_policy(mode, sps),
+            policy=policy_for(mode, sps),
         )
         assert [r.tokens for r in spec] == plain, mode
         assert sum(r.stats.accepted_tokens for r in spec) > 0

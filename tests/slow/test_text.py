@@ -1,12 +1,9 @@
 """The server's tokenizer path (tokenizers + jinja2) gives transformers' chat ids."""
 
-import pytest
-
 from dspark.models.loading import cache_dir, load_target
 from dspark.orchestrator.text import ChatTokenizer
 from dspark.paths import shared_dir
 from dspark.prompts import first_turn
-
 
 
 def test_chat_ids_and_decode_match_transformers():

@@ -7,7 +7,7 @@ import torch
 from dspark.core.interfaces import Request
 from dspark.core.reference import generate
 from dspark.core.sampling import SamplingParams
-from dspark.core.scheduler import parse_policy
+from dspark.core.scheduler import policy_for
 from dspark.models.block_drafter import BlockDrafter, BlockDrafterRunner, DrafterConfig
 from dspark.models.loading import LoadedTarget
 from dspark.models.losses import Sequence, block_loss, make_blocks, position_weights
@@ -210,7 +210,7 @@ def test_greedy_with_a_vocabulary_subset_drafter_equals_target_greedy(mode):
         TargetRunner(target, 4, 64),
         reqs,
         drafter=BlockDrafterRunner(m, 4, 64),
-        policy=parse_policy(mode, sps),
+        policy=policy_for(mode, sps),
     )
     assert [r.tokens for r in spec] == plain
     assert any(t % 2 == 1 and t != 0 for toks in plain for t in toks), "no out-of-subset token was tested"
@@ -243,7 +243,7 @@ def test_sampling_with_a_vocabulary_subset_drafter_is_lossless():
             for i in range(batch)
         ]
         for res in generate(
-            TargetRunner(target, batch, 16), reqs, drafter=drafter, policy=parse_policy("static:2")
+            TargetRunner(target, batch, 16), reqs, drafter=drafter, policy=policy_for("static:2")
         ):
             counts[res.tokens[1]] += 1
     big = law * n >= 5

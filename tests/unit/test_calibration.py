@@ -14,8 +14,8 @@ from dspark.core.calibration import (
     auroc,
     brier,
     calibration_report,
+    clipped_survival,
     conditional_labels,
-    cumulative_survival,
     default_grid,
     ece,
     prefix_labels,
@@ -26,29 +26,29 @@ GAMMA = 7
 
 
 def simulate_overconfident_rounds(
-    n: int, seed: int, scale: float = 2.5, min_proposed: int = 4
+    n: int, seed: int, scale: float = 2.5, min_verified: int = 4
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Rounds whose true conditional acceptance at slot k is σ(z_k) but whose head reports scale·z_k.
 
     Drafts are verified left to right with independent Bernoulli(σ(z_k)) draws, stopping at the
-    first rejection; proposal lengths vary in [min_proposed, γ]. Returns (reported logits,
-    accepted, proposed, latent z).
+    first rejection; proposal lengths vary in [min_verified, γ]. Returns (reported logits,
+    accepted, verified, latent z).
     """
     rng = np.random.default_rng(seed)
     z = rng.normal(1.5, 1.5, size=(n, GAMMA))
     ok = rng.random((n, GAMMA)) < sigmoid(z)
     first_reject = np.where(ok.all(axis=1), GAMMA, np.argmin(ok, axis=1))
-    proposed = rng.integers(min_proposed, GAMMA + 1, size=n)
-    accepted = np.minimum(first_reject, proposed)
-    return scale * z, accepted, proposed, z
+    verified = rng.integers(min_verified, GAMMA + 1, size=n)
+    accepted = np.minimum(first_reject, verified)
+    return scale * z, accepted, verified, z
 
 
 @pytest.fixture(scope="module")
 def overconfident_split() -> dict[str, object]:
-    logits, accepted, proposed, _ = simulate_overconfident_rounds(12000, seed=1234)
+    logits, accepted, verified, _ = simulate_overconfident_rounds(12000, seed=1234)
     half = logits.shape[0] // 2
-    fit = (logits[:half], accepted[:half], proposed[:half])
-    held_out = (logits[half:], accepted[half:], proposed[half:])
+    fit = (logits[:half], accepted[:half], verified[:half])
+    held_out = (logits[half:], accepted[half:], verified[half:])
     return {"sts": STS.fit(*fit), "held_out": held_out}
 
 
@@ -145,7 +145,7 @@ def test_brier_is_mean_squared_error() -> None:
 
 
 def test_prefix_labels_mark_accepted_prefix_and_verified_slots() -> None:
-    labels, valid = prefix_labels(accepted=[0, 2, 3, 0], proposed=[3, 3, 3, 0], gamma=4)
+    labels, valid = prefix_labels(accepted=[0, 2, 3, 0], verified=[3, 3, 3, 0], gamma=4)
     np.testing.assert_array_equal(labels, [[0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])
     np.testing.assert_array_equal(
         valid,
@@ -155,24 +155,24 @@ def test_prefix_labels_mark_accepted_prefix_and_verified_slots() -> None:
 
 
 def test_conditional_labels_cover_only_reached_slots() -> None:
-    labels, reached = conditional_labels(accepted=[0, 2, 3], proposed=[3, 3, 3], gamma=4)
+    labels, reached = conditional_labels(accepted=[0, 2, 3], verified=[3, 3, 3], gamma=4)
     np.testing.assert_array_equal(reached, [[1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]])
     np.testing.assert_array_equal(labels[reached], [0, 1, 1, 0, 1, 1, 1])
 
 
 def test_prefix_labels_reject_inconsistent_counts() -> None:
-    with pytest.raises(ValueError, match=r"\[0, proposed\]"):
-        prefix_labels(accepted=[3], proposed=[2], gamma=7)
+    with pytest.raises(ValueError, match=r"\[0, verified\]"):
+        prefix_labels(accepted=[3], verified=[2], gamma=7)
     with pytest.raises(ValueError, match="gamma=7"):
-        prefix_labels(accepted=[0], proposed=[8], gamma=7)
+        prefix_labels(accepted=[0], verified=[8], gamma=7)
     with pytest.raises(ValueError, match="one entry per round"):
-        prefix_labels(accepted=[0, 1], proposed=[2], gamma=7)
+        prefix_labels(accepted=[0, 1], verified=[2], gamma=7)
     with pytest.raises(ValueError, match="integer"):
-        prefix_labels(accepted=[0.5], proposed=[2], gamma=7)
+        prefix_labels(accepted=[0.5], verified=[2], gamma=7)
 
 
-def test_cumulative_survival_is_clipped_running_product() -> None:
-    out = cumulative_survival([[0.5, 0.5, 1e-9], [1.0, 1.0, 1.0]])
+def test_clipped_survival_is_clipped_running_product() -> None:
+    out = clipped_survival([[0.5, 0.5, 1e-9], [1.0, 1.0, 1.0]])
     np.testing.assert_allclose(out, [[0.5, 0.25, 1e-8], [1 - 1e-8] * 3], rtol=0, atol=1e-15)
 
 
@@ -214,8 +214,8 @@ def test_sts_temperatures_exceed_one_for_an_overconfident_head(overconfident_spl
 
 def test_sts_leaves_conditional_auroc_unchanged(overconfident_split) -> None:
     sts = overconfident_split["sts"]
-    logits, accepted, proposed = overconfident_split["held_out"]
-    labels, reached = conditional_labels(accepted, proposed, GAMMA)
+    logits, accepted, verified = overconfident_split["held_out"]
+    labels, reached = conditional_labels(accepted, verified, GAMMA)
     raw, calibrated = sigmoid(logits), sts.apply(logits)
     for k in range(GAMMA):
         rows = reached[:, k]
@@ -225,28 +225,28 @@ def test_sts_leaves_conditional_auroc_unchanged(overconfident_split) -> None:
 
 
 def test_sts_keeps_unit_temperature_at_positions_never_verified() -> None:
-    logits, accepted, proposed, _ = simulate_overconfident_rounds(2000, seed=5, min_proposed=1)
-    proposed = np.minimum(proposed, 5)
-    accepted = np.minimum(accepted, proposed)
-    sts = STS.fit(logits, accepted, proposed)
+    logits, accepted, verified, _ = simulate_overconfident_rounds(2000, seed=5, min_verified=1)
+    verified = np.minimum(verified, 5)
+    accepted = np.minimum(accepted, verified)
+    sts = STS.fit(logits, accepted, verified)
     assert sts.temperatures[5:] == (1.0, 1.0)
     assert all(t > 1.0 for t in sts.temperatures[:5])
     assert sts.meta["n_per_position"][5:] == [0, 0]
 
 
 def test_sts_fit_ignores_garbage_logits_in_unverified_slots() -> None:
-    logits, accepted, proposed, _ = simulate_overconfident_rounds(2000, seed=6)
+    logits, accepted, verified, _ = simulate_overconfident_rounds(2000, seed=6)
     dirty = logits.copy()
-    dirty[np.arange(GAMMA)[None, :] >= proposed[:, None]] = np.nan
-    assert STS.fit(dirty, accepted, proposed).temperatures == STS.fit(logits, accepted, proposed).temperatures
+    dirty[np.arange(GAMMA)[None, :] >= verified[:, None]] = np.nan
+    assert STS.fit(dirty, accepted, verified).temperatures == STS.fit(logits, accepted, verified).temperatures
 
 
 def test_sts_fit_uses_a_custom_grid() -> None:
-    logits, accepted, proposed, _ = simulate_overconfident_rounds(2000, seed=8)
-    sts = STS.fit(logits, accepted, proposed, grid=[1.0, 2.5])
+    logits, accepted, verified, _ = simulate_overconfident_rounds(2000, seed=8)
+    sts = STS.fit(logits, accepted, verified, grid=[1.0, 2.5])
     assert set(sts.temperatures) <= {1.0, 2.5}
     with pytest.raises(ValueError, match="grid"):
-        STS.fit(logits, accepted, proposed, grid=[0.0, 1.0])
+        STS.fit(logits, accepted, verified, grid=[0.0, 1.0])
 
 
 def test_sts_survival_is_cumulative_product_of_apply() -> None:
@@ -297,12 +297,12 @@ def test_sts_rejects_bad_shapes_and_values(tmp_path) -> None:
 
 
 def test_report_top_level_is_sample_weighted_average_of_positions() -> None:
-    logits, accepted, proposed, _ = simulate_overconfident_rounds(3000, seed=9)
-    sts = STS.fit(logits, accepted, proposed)
-    report = calibration_report(logits, accepted, proposed, sts)
+    logits, accepted, verified, _ = simulate_overconfident_rounds(3000, seed=9)
+    sts = STS.fit(logits, accepted, verified)
+    report = calibration_report(logits, accepted, verified, sts)
     positions = report["positions"]
     assert [p["k"] for p in positions] == list(range(1, GAMMA + 1))
-    _, valid = prefix_labels(accepted, proposed, GAMMA)
+    _, valid = prefix_labels(accepted, verified, GAMMA)
     assert [p["n"] for p in positions] == valid.sum(axis=0).tolist()
     assert report["n"] == int(valid.sum())
     n = np.array([p["n"] for p in positions])
@@ -313,10 +313,10 @@ def test_report_top_level_is_sample_weighted_average_of_positions() -> None:
 
 
 def test_report_per_position_values_match_the_metric_functions() -> None:
-    logits, accepted, proposed, _ = simulate_overconfident_rounds(1000, seed=10)
-    report = calibration_report(logits, accepted, proposed, STS.identity(GAMMA))
-    labels, valid = prefix_labels(accepted, proposed, GAMMA)
-    surv = cumulative_survival(sigmoid(logits))
+    logits, accepted, verified, _ = simulate_overconfident_rounds(1000, seed=10)
+    report = calibration_report(logits, accepted, verified, STS.identity(GAMMA))
+    labels, valid = prefix_labels(accepted, verified, GAMMA)
+    surv = clipped_survival(sigmoid(logits))
     pos3 = report["positions"][2]
     rows = valid[:, 2]
     assert pos3["ece_raw"] == pytest.approx(ece(surv[rows, 2], labels[rows, 2]))
@@ -326,10 +326,10 @@ def test_report_per_position_values_match_the_metric_functions() -> None:
 
 
 def test_report_without_sts_is_strict_json_with_nulls() -> None:
-    logits, accepted, proposed, _ = simulate_overconfident_rounds(500, seed=11)
-    proposed = np.minimum(proposed, 6)  # slot 7 never verified → undefined metrics there
-    accepted = np.minimum(accepted, proposed)
-    report = calibration_report(logits, accepted, proposed, sts=None)
+    logits, accepted, verified, _ = simulate_overconfident_rounds(500, seed=11)
+    verified = np.minimum(verified, 6)  # slot 7 never verified → undefined metrics there
+    accepted = np.minimum(accepted, verified)
+    report = calibration_report(logits, accepted, verified, sts=None)
     text = json.dumps(report, allow_nan=False)
     assert report["ece_sts"] is None and report["temperatures"] is None
     assert report["ece_raw"] is not None

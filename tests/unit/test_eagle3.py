@@ -8,7 +8,7 @@ import torch
 from dspark.core.interfaces import Request
 from dspark.core.reference import generate
 from dspark.core.sampling import SamplingParams, sample, uniforms
-from dspark.core.scheduler import parse_policy
+from dspark.core.scheduler import policy_for
 from dspark.models.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Runner
 from dspark.models.loading import LoadedTarget
 from dspark.models.losses import Sequence, make_blocks
@@ -185,7 +185,7 @@ def test_greedy_with_an_eagle3_drafter_equals_target_greedy(drafter):
         TargetRunner(target, 4, 64),
         reqs,
         drafter=Eagle3Runner(_copying(m) if drafter == "copying" else m, 4, 64),
-        policy=parse_policy(f"static:{GAMMA}"),
+        policy=policy_for(f"static:{GAMMA}"),
     )
     assert [r.tokens for r in spec] == plain
     assert any(t % 2 == 1 and t != 0 for toks in plain for t in toks), "no out-of-subset token was tested"

@@ -6,11 +6,11 @@ import torch
 from dspark.core.interfaces import Request
 from dspark.core.reference import generate
 from dspark.core.sampling import SamplingParams
-from dspark.core.scheduler import parse_policy
+from dspark.core.scheduler import SkipPlanner, policy_for
 from dspark.core.sps import SPSTable
 from dspark.models.block_drafter import BlockDrafterRunner
 from dspark.models.target import TargetRunner
-from dspark.orchestrator.engine import Busy, Engine
+from dspark.orchestrator.batcher import Batcher, Busy
 from tests.conftest import TINY, tiny_target
 from tests.unit.test_block_drafter import _drafter
 
@@ -49,7 +49,9 @@ def _reqs(n, params=lambda i: SamplingParams(), max_tokens=20):
 
 def _engine(target, slots=3, max_active=3):
     m = _drafter(target=target)
-    return Engine(TargetRunner(target, slots, 96), BlockDrafterRunner(m, slots, 96), SPS, None, max_active), m
+    return Batcher(
+        TargetRunner(target, slots, 96), BlockDrafterRunner(m, slots, 96), SPS, None, max_active
+    ), m
 
 
 @pytest.mark.parametrize("mode", ["off", "static:3", "dspark", "dspark-async", "dspark-skip"])
@@ -84,7 +86,7 @@ def test_a_sampled_request_draws_the_same_tokens_alone_or_in_any_company():
             TargetRunner(target, 1, 96),
             [r],
             drafter=BlockDrafterRunner(m, 1, 96) if mode != "off" else None,
-            policy=parse_policy(mode),
+            policy=policy_for(mode),
         )[0]
         assert s.out == alone.tokens
     assert sum(s.calls for s in sinks) > len(sinks)  # tokens were streamed in pieces
@@ -124,7 +126,7 @@ def test_modes_are_validated_at_submit():
     eng, _ = _engine(target)
     with pytest.raises(ValueError, match="static"):
         eng.submit(_reqs(1)[0], "static:x", Collect())
-    plain = Engine(TargetRunner(target, 1, 96))
+    plain = Batcher(TargetRunner(target, 1, 96))
     with pytest.raises(ValueError, match="needs a drafter"):
         plain.submit(_reqs(1)[0], "dspark", Collect())
     assert eng.idle and plain.idle
@@ -158,7 +160,7 @@ def test_a_failing_drafter_falls_back_to_target_only_with_the_same_tokens(method
     plain = [r.tokens for r in generate(TargetRunner(target, 3, 96), reqs)]
     m = _drafter(target=target)
     inner = BlockDrafterRunner(m, 3, 96)
-    eng = Engine(TargetRunner(target, 3, 96), _Flaky(inner, method, ok), SPS, None, 3, drafter_retry_s=60)
+    eng = Batcher(TargetRunner(target, 3, 96), _Flaky(inner, method, ok), SPS, None, 3, drafter_retry_s=60)
     sinks = [Collect() for _ in reqs]
     for r, s in zip(reqs, sinks):
         eng.submit(r, "dspark", s)
@@ -181,7 +183,7 @@ def test_the_drafter_is_retried_after_drafter_retry_s():
     req = _reqs(1, max_tokens=16)[0]
     m = _drafter(target=target)
     flaky = _Flaky(BlockDrafterRunner(m, 2, 96), "propose", 0)
-    eng = Engine(TargetRunner(target, 2, 96), flaky, SPS, None, 2, drafter_retry_s=0.0)
+    eng = Batcher(TargetRunner(target, 2, 96), flaky, SPS, None, 2, drafter_retry_s=0.0)
     first, second = Collect(), Collect()
     eng.submit(req, "static:3", first)
     eng.run_until_idle(200)
@@ -197,7 +199,7 @@ def test_the_drafter_is_retried_after_drafter_retry_s():
 def test_a_full_queue_answers_busy_and_keeps_the_queued():
     target = tiny_target()
     m = _drafter(target=target)
-    eng = Engine(TargetRunner(target, 1, 96), BlockDrafterRunner(m, 1, 96), SPS, None, 1, max_queue=2)
+    eng = Batcher(TargetRunner(target, 1, 96), BlockDrafterRunner(m, 1, 96), SPS, None, 1, max_queue=2)
     reqs = _reqs(4, max_tokens=6)
     sinks = [Collect() for _ in reqs]
     for r, s in zip(reqs[:3], sinks):
@@ -221,7 +223,7 @@ def test_metrics_count_every_verified_and_accepted_draft():
     met, snap = eng.metrics, eng.metrics.snapshot()
     rounds = [t for s in sinks for t in s.result.trace]
     for k in (1, 2, 3):
-        assert met.counter("position_verified_total", position=str(k)) == sum(t.proposed >= k for t in rounds)
+        assert met.counter("position_verified_total", position=str(k)) == sum(t.verified >= k for t in rounds)
         assert met.counter("position_accepted_total", position=str(k)) == sum(t.accepted >= k for t in rounds)
     assert snap["histograms"]["verify_length"]["count"] == len(rounds)
     assert snap["histograms"]["acceptance_length"]["sum"] == sum(t.accepted for t in rounds)
@@ -229,7 +231,7 @@ def test_metrics_count_every_verified_and_accepted_draft():
     assert met.gauge("active_sequences") == 0 and met.gauge("free_slots") == 3
     cal = met.calibration()
     assert cal["positions"] == [1, 2, 3] and all(0 <= p <= 1 for p in cal["predicted"])
-    verified = [t for t in rounds if t.proposed >= 1]
+    verified = [t for t in rounds if t.verified >= 1]
     assert cal["realized"][0] == pytest.approx(sum(t.accepted >= 1 for t in verified) / len(verified))
 
 
@@ -255,7 +257,7 @@ def test_dspark_skip_decodes_the_same_tokens_whether_it_drafts_or_not():
         all_rounds = sum(s.result.stats.rounds for s in sinks)
         assert drafted_rounds + skipped[draft_seconds] == all_rounds
         if draft_seconds > 0:
-            assert drafted_rounds <= 6 + all_rounds / Engine.SKIP_REFRESH
+            assert drafted_rounds <= 6 + all_rounds / SkipPlanner.REFRESH
     assert skipped[0.0] < skipped[1e6]
 
 
@@ -270,14 +272,14 @@ def test_dspark_skip_refreshes_back_off_while_drafting_does_not_pay_and_reset_wh
     eng.drafter.seconds = 1e6  # drafting can never pay: only refreshes draft
     drafted_at, intervals = [], []
     for step in range(1, 66):
-        before = len(eng.active[0].live.trace)
+        before = len(eng.active[0].seq.trace)
         eng.step()
-        if len(eng.active[0].live.trace) > before:
+        if len(eng.active[0].seq.trace) > before:
             drafted_at.append(step)
-        intervals.append(eng.active[0].refresh)
+        intervals.append(eng.planner("dspark-skip").interval(eng.active[0].seq.rid))
     gaps = [b - a for a, b in zip([0] + drafted_at, drafted_at)]
-    assert gaps[0] <= Engine.SKIP_REFRESH + 3 and gaps[1:4] == [8, 16, 32], drafted_at  # 1st: next sync step
-    assert max(intervals) == Engine.SKIP_REFRESH_MAX
+    assert gaps[0] <= SkipPlanner.REFRESH + 3 and gaps[1:4] == [8, 16, 32], drafted_at  # 1st: next sync step
+    assert max(intervals) == SkipPlanner.REFRESH_MAX
     eng.drafter.seconds = 0.0  # now a draft call is free: the next refresh pays and resets the interval
     eng.run_until_idle(200)
     assert sink.out == plain
@@ -291,7 +293,7 @@ def test_prefill_budget_staggers_admission_and_keeps_the_tokens():
     reqs = _reqs(5, max_tokens=6)
     plain = [r.tokens for r in generate(TargetRunner(target, 5, 96), reqs)]
     for budget, admitted in ((8, [2, 3, 4]), (0, [5, 5, 5])):
-        eng = Engine(TargetRunner(target, 5, 96), None, None, None, 5, prefill_budget=budget)
+        eng = Batcher(TargetRunner(target, 5, 96), None, None, None, 5, prefill_budget=budget)
         sinks = [Collect() for _ in reqs]
         for r, s in zip(reqs, sinks):
             eng.submit(r, "off", s)

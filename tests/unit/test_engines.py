@@ -10,7 +10,7 @@ import torch
 from dspark.core.interfaces import Request
 from dspark.core.reference import generate
 from dspark.core.sampling import SamplingParams
-from dspark.core.scheduler import parse_policy
+from dspark.core.scheduler import policy_for
 from dspark.core.sps import SPSTable
 from dspark.engines.build import BuildConfig, Builder, build_drafter, build_target, sha256_tensors
 from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, ShapeError, session
@@ -122,7 +122,7 @@ def test_greedy_through_the_engines_equals_the_target_alone(built, mode):
     sps = SPSTable.from_step_times([1, 64], [1.0, 1.0 + 0.05 * 63])
     ort_t = OrtTargetRunner(session(out / "target.opt.onnx", 1), TINY, 4, 64)
     drafter = OrtDrafterRunner.load(out, num_slots=4, threads=1)
-    res = generate(ort_t, reqs, drafter=drafter, policy=parse_policy(mode, sps))
+    res = generate(ort_t, reqs, drafter=drafter, policy=policy_for(mode, sps))
     assert [r.tokens for r in res] == plain
     assert sum(r.stats.accepted_tokens for r in res) > 0 or head == "none"
     # the same drafter in PyTorch proposes the same blocks: identical acceptance
@@ -132,7 +132,7 @@ def test_greedy_through_the_engines_equals_the_target_alone(built, mode):
         drafter=BlockDrafterRunner(
             copy.deepcopy(m).float().attach(target.model.embed_tokens.weight, target.lm_head.weight), 4, 64
         ),
-        policy=parse_policy(mode, sps),
+        policy=policy_for(mode, sps),
     )
     assert [r.stats.accepted_tokens for r in pt] == [r.stats.accepted_tokens for r in res]
     assert drafter.free_slots == 4 and ort_t.cache.free_slots == 4  # everything released
@@ -145,9 +145,9 @@ def test_sampling_through_the_engines_draws_what_pytorch_draws(built):
     reqs = _requests([SamplingParams(1.0, seed=s) for s in range(3)][0])
     reqs = [Request(r.prompt_ids, 24, SamplingParams(1.0, seed=i), r.stop_ids) for i, r in enumerate(reqs)]
     pm = copy.deepcopy(m).float().attach(target.model.embed_tokens.weight, target.lm_head.weight)
-    pt = generate(TargetRunner(target, 4, 64), reqs, BlockDrafterRunner(pm, 4, 64), parse_policy("static:3"))
+    pt = generate(TargetRunner(target, 4, 64), reqs, BlockDrafterRunner(pm, 4, 64), policy_for("static:3"))
     ort_t = OrtTargetRunner(session(out / "target.opt.onnx", 1), TINY, 4, 64)
-    res = generate(ort_t, reqs, OrtDrafterRunner.load(out, 4, 1), parse_policy("static:3"))
+    res = generate(ort_t, reqs, OrtDrafterRunner.load(out, 4, 1), policy_for("static:3"))
     assert [r.tokens for r in res] == [r.tokens for r in pt]
 
 

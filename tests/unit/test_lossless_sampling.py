@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 from dspark.core.interfaces import Request
 from dspark.core.reference import generate
 from dspark.core.sampling import SamplingParams
-from dspark.core.scheduler import Algorithm1, AsyncTopK, Static
+from dspark.core.scheduler import DSpark, DSparkAsync, Static
 from dspark.core.sps import SPSTable
 from tests.synthetic import BigramDrafter, BigramTarget, RetrospectiveArgmax, exact_window_law
 
@@ -71,7 +71,7 @@ PARAMS = {
 }
 
 
-@pytest.mark.parametrize("policy", [Algorithm1(SPS), AsyncTopK(SPS), Static(GAMMA)], ids=lambda p: p.name)
+@pytest.mark.parametrize("policy", [DSpark(SPS), DSparkAsync(SPS), Static(GAMMA)], ids=lambda p: p.name)
 @pytest.mark.parametrize("pname", list(PARAMS))
 def test_sampling_is_lossless(policy, pname):
     params = PARAMS[pname]
@@ -107,7 +107,7 @@ def test_negative_control_detects_the_retrospective_argmax_bias():
     assert chisquare(counts, np.array([0.7, 0.3]) * counts.sum()).pvalue < 1e-6
 
 
-@pytest.mark.parametrize("policy", [Algorithm1(SPS_APPX), AsyncTopK(SPS_APPX)], ids=lambda p: p.name)
+@pytest.mark.parametrize("policy", [DSpark(SPS_APPX), DSparkAsync(SPS_APPX)], ids=lambda p: p.name)
 def test_appendix_a_case_is_lossless_with_the_break_and_with_async(policy):
     counts = _appendix_a_first_draft_law(policy)
     assert chisquare(counts, np.array([0.7, 0.3]) * counts.sum()).pvalue > 1e-3
@@ -115,7 +115,7 @@ def test_appendix_a_case_is_lossless_with_the_break_and_with_async(policy):
 
 def test_negative_control_detects_a_correction_drawn_from_p_instead_of_the_residual(monkeypatch):
     """A subtler lossy variant: after a rejection, sample the correction from p_n itself."""
-    import dspark.core.reference
+    import dspark.core.rounds
     from dspark.core.sampling import sample
     from dspark.core.verify import chain_verify
 
@@ -124,7 +124,7 @@ def test_negative_control_detects_a_correction_drawn_from_p_instead_of_the_resid
         v.next_token = sample(target_probs[np.arange(len(lengths)), v.accepted], u[:, -1])
         return v
 
-    monkeypatch.setattr(dspark.core.reference, "chain_verify", lossy)
+    monkeypatch.setattr(dspark.core.rounds, "chain_verify", lossy)
     params = PARAMS["T=1"]
-    outs, _ = _run(Algorithm1(SPS), params, N_SAMPLES, BATCH, MAX_TOKENS)
+    outs, _ = _run(DSpark(SPS), params, N_SAMPLES, BATCH, MAX_TOKENS)
     assert _chi2_pvalue(outs, P_TARGET, params, *WINDOWS[0]) < 1e-6

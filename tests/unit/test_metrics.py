@@ -11,7 +11,7 @@ import pytest
 from dspark.core.metrics import AcceptanceStats, RoundRecord
 
 # Hand-worked batch (γ = 3), mixing proposal lengths, an ℓ = 0 round and a stopped round:
-#   round  proposed  accepted  stopped  committed
+#   round  verified  accepted  stopped  committed
 #     1        3         3       no        4
 #     2        3         1       no        2
 #     3        2         0       no        1
@@ -25,25 +25,25 @@ STOPPED = [False, False, False, False, True]
 def hand_stats() -> AcceptanceStats:
     stats = AcceptanceStats()
     for p, a, s in zip(PROPOSED, ACCEPTED, STOPPED, strict=True):
-        stats.add(RoundRecord(proposed=p, accepted=a, stopped=s))
+        stats.add(RoundRecord(verified=p, accepted=a, stopped=s))
     return stats
 
 
 def test_round_record_commits_bonus_unless_stopped() -> None:
-    assert RoundRecord(proposed=7, accepted=3).committed == 4
-    assert RoundRecord(proposed=7, accepted=3, stopped=True).committed == 3
-    assert RoundRecord(proposed=0, accepted=0).committed == 1
+    assert RoundRecord(verified=7, accepted=3).committed == 4
+    assert RoundRecord(verified=7, accepted=3, stopped=True).committed == 3
+    assert RoundRecord(verified=0, accepted=0).committed == 1
 
 
 def test_round_record_rejects_impossible_rounds() -> None:
     with pytest.raises(ValueError, match="cannot accept more"):
-        RoundRecord(proposed=2, accepted=3)
+        RoundRecord(verified=2, accepted=3)
     with pytest.raises(ValueError, match="≥ 0"):
-        RoundRecord(proposed=-1, accepted=0)
+        RoundRecord(verified=-1, accepted=0)
     with pytest.raises(ValueError, match="stopped=True needs accepted ≥ 1"):
-        RoundRecord(proposed=3, accepted=0, stopped=True)
+        RoundRecord(verified=3, accepted=0, stopped=True)
     with pytest.raises(TypeError, match="int"):
-        RoundRecord(proposed=2.0, accepted=1)  # type: ignore[arg-type]
+        RoundRecord(verified=2.0, accepted=1)  # type: ignore[arg-type]
 
 
 def test_tau_counts_bonus_token_except_on_stopped_rounds() -> None:
@@ -64,7 +64,7 @@ def test_survival_is_unconditional_over_rounds_that_verified_the_slot() -> None:
 
 def test_conditional_is_acceptance_among_rounds_that_reached_the_slot() -> None:
     stats = hand_stats()
-    # reached (proposed ≥ k and accepted ≥ k−1): k=1: 1,2,3,5 (4); k=2: 1,2,5 (3); k=3: 1,5 (2)
+    # reached (verified ≥ k and accepted ≥ k−1): k=1: 1,2,3,5 (4); k=2: 1,2,5 (3); k=3: 1,5 (2)
     assert stats.reached_at.tolist() == [4, 3, 2]
     assert [stats.conditional(k) for k in (1, 2, 3)] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
 
@@ -83,7 +83,7 @@ def test_undefined_metrics_are_nan_and_positions_are_one_based() -> None:
     assert math.isnan(empty.tau) and math.isnan(empty.verify_rate) and math.isnan(empty.mean_verify_len)
     assert math.isnan(empty.survival(1)) and math.isnan(empty.conditional(1))
     only_l0 = AcceptanceStats()
-    only_l0.add(RoundRecord(proposed=0, accepted=0))
+    only_l0.add(RoundRecord(verified=0, accepted=0))
     assert only_l0.tau == 1.0 and only_l0.verify_rate == 1.0
     assert math.isnan(only_l0.draft_acceptance_rate) and math.isnan(only_l0.survival(1))
     with pytest.raises(ValueError, match="1-based"):
@@ -112,23 +112,23 @@ def test_add_many_rejects_inconsistent_arrays() -> None:
 
 def test_merge_equals_adding_all_rounds_to_one_accumulator() -> None:
     rng = np.random.default_rng(3)
-    proposed = rng.integers(0, 8, size=400)
-    accepted = np.array([rng.integers(0, p + 1) for p in proposed])
+    verified = rng.integers(0, 8, size=400)
+    accepted = np.array([rng.integers(0, p + 1) for p in verified])
     stopped = (accepted > 0) & (rng.random(400) < 0.1)
     whole = AcceptanceStats()
-    whole.add_many(proposed, accepted, stopped)
+    whole.add_many(verified, accepted, stopped)
     left, right = AcceptanceStats(), AcceptanceStats()
-    left.add_many(proposed[:100], accepted[:100], stopped[:100])
-    for p, a, s in zip(proposed[100:], accepted[100:], stopped[100:], strict=True):
+    left.add_many(verified[:100], accepted[:100], stopped[:100])
+    for p, a, s in zip(verified[100:], accepted[100:], stopped[100:], strict=True):
         right.add(RoundRecord(int(p), int(a), bool(s)))
     assert left.merge(right) == whole
     # merging into an accumulator with shorter counters grows them
     short = AcceptanceStats()
-    short.add(RoundRecord(proposed=1, accepted=1))
+    short.add(RoundRecord(verified=1, accepted=1))
     grown = short.merge(whole)
     expected = AcceptanceStats()
-    expected.add(RoundRecord(proposed=1, accepted=1))
-    expected.add_many(proposed, accepted, stopped)
+    expected.add(RoundRecord(verified=1, accepted=1))
+    expected.add_many(verified, accepted, stopped)
     assert grown == expected
 
 

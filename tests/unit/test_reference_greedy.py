@@ -7,7 +7,7 @@ from dspark.core.calibration import STS
 from dspark.core.interfaces import Request
 from dspark.core.reference import generate
 from dspark.core.sampling import SamplingParams
-from dspark.core.scheduler import parse_policy
+from dspark.core.scheduler import policy_for
 from dspark.core.sps import SPSTable
 from dspark.models.model_drafter import ModelDrafter
 from dspark.models.target import TargetRunner
@@ -69,16 +69,16 @@ def test_greedy_output_equals_target_greedy_under_every_policy(models, prompts, 
         TargetRunner(target, 8, 128),
         _requests(prompts),
         drafter=ModelDrafter(draft, block_size=GAMMA, num_slots=8, max_len=128),
-        policy=parse_policy(mode, SPS),
+        policy=policy_for(mode, SPS),
         calibration=STS.identity(GAMMA),
     )
     assert [r.tokens for r in results] == target_only
     if mode != "off":
         accepted = sum(r.stats.accepted_tokens for r in results)
-        proposed = sum(r.stats.proposed_tokens for r in results)
+        verified = sum(r.stats.verified_tokens for r in results)
         assert 0 < accepted, "no draft was accepted: the test would not exercise acceptance"
         if mode == "static:7":
-            assert accepted < proposed, "no draft was rejected: the test would not exercise corrections"
+            assert accepted < verified, "no draft was rejected: the test would not exercise corrections"
 
 
 def test_drafter_identical_to_target_accepts_every_verified_draft(models, prompts, target_only):
@@ -87,11 +87,11 @@ def test_drafter_identical_to_target_accepts_every_verified_draft(models, prompt
         TargetRunner(target, 8, 128),
         _requests(prompts),
         drafter=ModelDrafter(target, block_size=GAMMA, num_slots=8, max_len=128),
-        policy=parse_policy("static:7"),
+        policy=policy_for("static:7"),
     )
     assert [r.tokens for r in results] == target_only
     for r in results:
-        assert r.stats.accepted_tokens == r.stats.proposed_tokens
+        assert r.stats.accepted_tokens == r.stats.verified_tokens
 
 
 def test_slots_are_released_after_generation(models, prompts):
@@ -99,7 +99,7 @@ def test_slots_are_released_after_generation(models, prompts):
     runner = TargetRunner(target, 5, 128)
     drafter = ModelDrafter(draft, block_size=GAMMA, num_slots=5, max_len=128)
     for _ in range(2):  # a second batch needs the same 5 slots again
-        generate(runner, _requests(prompts), drafter=drafter, policy=parse_policy("dspark", SPS))
+        generate(runner, _requests(prompts), drafter=drafter, policy=policy_for("dspark", SPS))
     assert runner.cache.free_slots == 5 and drafter.runner.cache.free_slots == 5
 
 
@@ -117,7 +117,7 @@ def test_sampled_output_is_reproducible_from_the_seed_alone(models, prompts):
                 TargetRunner(target, 8, 128),
                 batch,
                 drafter=ModelDrafter(draft, block_size=GAMMA, num_slots=8, max_len=128),
-                policy=parse_policy("static:3"),
+                policy=policy_for("static:3"),
             )
         ]
 
@@ -132,12 +132,12 @@ def test_slots_are_released_when_generation_fails(models, prompts):
     drafter = ModelDrafter(draft, block_size=GAMMA, num_slots=5, max_len=32)
     too_long = _requests(prompts[:2]) + [Request(list(range(1, 40)), max_tokens=4)]
     with pytest.raises(ValueError, match="exceed the KV cache length"):
-        generate(runner, too_long, drafter=drafter, policy=parse_policy("static:3"))
+        generate(runner, too_long, drafter=drafter, policy=policy_for("static:3"))
     with pytest.raises(RuntimeError, match="KV slots are in use"):
         generate(
             runner,
             _requests(prompts) + _requests(prompts[:1]),
             drafter=drafter,
-            policy=parse_policy("static:3"),
+            policy=policy_for("static:3"),
         )
     assert runner.cache.free_slots == 5 and drafter.runner.cache.free_slots == 5

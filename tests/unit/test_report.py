@@ -30,7 +30,7 @@ def test_plots_are_written(tmp_path):
     plot_conditional([_eval("dspark", "a", 0.0, 3.0)], tmp_path / "c.png")
     g = np.random.default_rng(0)
     logits = g.normal(1.0, 1.0, (300, 7))
-    proposed = np.full(300, 7)
+    verified = np.full(300, 7)
     accepted = g.integers(0, 8, 300)
-    plot_reliability(logits, accepted, proposed, STS.identity(7), tmp_path / "r.png")
+    plot_reliability(logits, accepted, verified, STS.identity(7), tmp_path / "r.png")
     assert (tmp_path / "c.png").stat().st_size > 1000 and (tmp_path / "r.png").stat().st_size > 1000

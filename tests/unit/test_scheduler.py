@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from dspark.core.scheduler import (
-    POLICY_NAMES,
-    Algorithm1,
-    AsyncTopK,
+    MODES,
+    DSpark,
+    DSparkAsync,
     Off,
     Policy,
     Static,
     Threshold,
     candidate_order,
-    parse_policy,
+    policy_for,
     prefix_survival,
 )
 from dspark.core.sps import SPSTable
@@ -311,7 +311,7 @@ def test_algorithm1_reaches_exhaustive_optimum_whenever_path_is_unimodal():
         if not is_unimodal(values):
             continue
         unimodal_cases += 1
-        lengths = Algorithm1(sps).schedule(conf, max_len)
+        lengths = DSpark(sps).schedule(conf, max_len)
         assert theta(lengths, conf, sps) == pytest.approx(exhaustive_optimum(conf, max_len, sps), rel=1e-12)
     assert unimodal_cases >= 100  # the property was exercised, not vacuously true
 
@@ -319,7 +319,7 @@ def test_algorithm1_reaches_exhaustive_optimum_whenever_path_is_unimodal():
 def test_algorithm1_matches_paper_loop_with_break():
     for conf, max_len, sps in brute_force_cases(seed=3, n_cases=300):
         np.testing.assert_array_equal(
-            Algorithm1(sps).schedule(conf, max_len), reference_algorithm1(conf, max_len, sps)
+            DSpark(sps).schedule(conf, max_len), reference_algorithm1(conf, max_len, sps)
         )
 
 
@@ -327,17 +327,17 @@ def test_algorithm1_commits_only_strict_improvements():
     proportional = SPSTable((1,), (1.0,))  # t(B) ∝ B: a draft of survival 1 leaves Θ exactly unchanged
     conf = np.ones((1, 3))
     assert theta(np.array([1]), conf, proportional) == theta(np.array([0]), conf, proportional)
-    np.testing.assert_array_equal(Algorithm1(proportional).schedule(conf, np.array([3])), [0])
+    np.testing.assert_array_equal(DSpark(proportional).schedule(conf, np.array([3])), [0])
     np.testing.assert_array_equal(reference_algorithm1(conf, np.array([3]), proportional), [0])
 
 
 def test_async_topk_with_fresh_stale_reaches_exhaustive_optimum():
     for conf, max_len, sps in brute_force_cases(seed=4, n_cases=300):
-        lengths = AsyncTopK(sps).schedule(conf, max_len, stale_conf=conf)
+        lengths = DSparkAsync(sps).schedule(conf, max_len, stale_conf=conf)
         assert theta(lengths, conf, sps) == pytest.approx(exhaustive_optimum(conf, max_len, sps), rel=1e-12)
 
 
-@pytest.mark.parametrize("make_policy", [Algorithm1, AsyncTopK], ids=["dspark", "dspark-async"])
+@pytest.mark.parametrize("make_policy", [DSpark, DSparkAsync], ids=["dspark", "dspark-async"])
 def test_lengths_respect_max_len_and_gamma_and_skip_zero_survival(make_policy):
     rng = np.random.default_rng(5)
     for _ in range(300):
@@ -369,7 +369,7 @@ def tie_heavy_cases(rng: np.random.Generator):
         )
 
 
-@pytest.mark.parametrize("make_policy", [Algorithm1, AsyncTopK], ids=["dspark", "dspark-async"])
+@pytest.mark.parametrize("make_policy", [DSpark, DSparkAsync], ids=["dspark", "dspark-async"])
 def test_admitted_slots_are_a_prefix_of_candidate_order_even_with_ties(make_policy):
     rng = np.random.default_rng(6)
     for conf, max_len in tie_heavy_cases(rng):
@@ -384,10 +384,10 @@ def test_admitted_slots_are_a_prefix_of_candidate_order_even_with_ties(make_poli
 def test_all_equal_survival_is_shared_round_robin_by_slot():
     sps = SPSTable.from_step_times([1, 16], [1.0, 1.0])  # every token is free up to B = 16
     conf = np.ones((3, 4))
-    lengths = AsyncTopK(sps).schedule(conf, np.array([4, 4, 4]))
+    lengths = DSparkAsync(sps).schedule(conf, np.array([4, 4, 4]))
     np.testing.assert_array_equal(lengths, [4, 4, 4])
     jagged = SPSTable((3, 4, 5, 6), (1.0, 1.2, 1.2, 0.1))  # K = 2: slot 1 of requests 0 and 1
-    lengths = AsyncTopK(jagged).schedule(conf, np.array([4, 4, 4]), stale_conf=conf)
+    lengths = DSparkAsync(jagged).schedule(conf, np.array([4, 4, 4]), stale_conf=conf)
     np.testing.assert_array_equal(lengths, [1, 1, 0])
 
 
@@ -408,7 +408,7 @@ def test_appendix_a_break_makes_decision_independent_of_c2(c2, retrospective_len
         return int(np.argmax(values))
 
     assert argmax_over_whole_path() == retrospective_length  # the biased rule looks at c_2
-    np.testing.assert_array_equal(Algorithm1(APPENDIX_A_SPS).schedule(conf, max_len), [0])
+    np.testing.assert_array_equal(DSpark(APPENDIX_A_SPS).schedule(conf, max_len), [0])
 
 
 def perturbation_trials(seed: int, n_trials: int):
@@ -427,7 +427,7 @@ def perturbation_trials(seed: int, n_trials: int):
         yield conf, perturbed, max_len, stale, sps, r, k
 
 
-@pytest.mark.parametrize("make_policy", [Algorithm1, AsyncTopK], ids=["dspark", "dspark-async"])
+@pytest.mark.parametrize("make_policy", [DSpark, DSparkAsync], ids=["dspark", "dspark-async"])
 def test_admission_of_slot_k_ignores_confidences_that_depend_on_token_k(make_policy):
     changed = 0
     for conf, perturbed, max_len, stale, sps, r, k in perturbation_trials(seed=7, n_trials=2000):
@@ -457,7 +457,7 @@ def test_global_argmax_on_current_conf_fails_the_same_check():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make_policy", [Algorithm1, AsyncTopK], ids=["dspark", "dspark-async"])
+@pytest.mark.parametrize("make_policy", [DSpark, DSparkAsync], ids=["dspark", "dspark-async"])
 def test_mean_length_shrinks_as_concurrency_grows_on_decreasing_sps(make_policy):
     policy = make_policy(linear_table())
     row = np.array([0.9, 0.88, 0.85, 0.8, 0.75, 0.7, 0.6])
@@ -474,13 +474,13 @@ def test_async_escapes_local_optimum_of_jagged_table_where_algorithm1_stops():
     sps = SPSTable.from_step_times([1, 2, 3, 4], [1.0, 2.5, 2.5, 2.5])  # one bucket from B = 2 to 4
     conf = np.full((1, 3), 0.95)
     max_len = np.array([3])
-    np.testing.assert_array_equal(Algorithm1(sps).schedule(conf, max_len), [0])
-    np.testing.assert_array_equal(AsyncTopK(sps).schedule(conf, max_len, stale_conf=conf), [3])
+    np.testing.assert_array_equal(DSpark(sps).schedule(conf, max_len), [0])
+    np.testing.assert_array_equal(DSparkAsync(sps).schedule(conf, max_len, stale_conf=conf), [3])
 
 
 def test_async_missing_history_uses_prior_confidence():
     sps = linear_table()
-    policy = AsyncTopK(sps, prior=0.6)
+    policy = DSparkAsync(sps, prior=0.6)
     max_len = np.array([7, 7, 5, 7])
     prior_rows = np.full((4, 7), 0.6)
     expected = policy.capacity(prior_rows, max_len)
@@ -492,17 +492,17 @@ def test_async_missing_history_uses_prior_confidence():
 
 def test_async_capacity_is_smallest_argmax_and_counts_only_slots_within_max_len():
     flat = SPSTable((1,), (1.0,))  # step time ∝ B: each draft of survival 1 leaves Θ unchanged
-    policy = AsyncTopK(flat)
+    policy = DSparkAsync(flat)
     ones = np.ones((2, 3))
     assert policy.capacity(ones, np.array([3, 3])) == 0
     free = SPSTable.from_step_times([1, 8], [1.0, 1.0])  # tokens free up to B = 8
-    assert AsyncTopK(free).capacity(ones, np.array([3, 1])) == 4
+    assert DSparkAsync(free).capacity(ones, np.array([3, 1])) == 4
 
 
 def test_async_admits_at_most_current_positive_candidates_when_capacity_is_large():
     free = SPSTable.from_step_times([1, 64], [1.0, 1.0])
     conf = np.array([[0.9, 0.0, 0.9], [0.5, 0.5, 0.5]])
-    lengths = AsyncTopK(free).schedule(conf, np.array([3, 2]), stale_conf=np.ones((2, 3)))
+    lengths = DSparkAsync(free).schedule(conf, np.array([3, 2]), stale_conf=np.ones((2, 3)))
     np.testing.assert_array_equal(lengths, [1, 2])
 
 
@@ -532,7 +532,7 @@ def test_threshold_truncates_at_first_slot_below_threshold():
     assert Threshold(0.5).name == "threshold:0.5"
 
 
-@pytest.mark.parametrize("policy", [Off(), Static(2), Threshold(0.5), Algorithm1(TABLE), AsyncTopK(TABLE)])
+@pytest.mark.parametrize("policy", [Off(), Static(2), Threshold(0.5), DSpark(TABLE), DSparkAsync(TABLE)])
 def test_empty_batch_returns_empty_lengths(policy):
     lengths = policy.schedule(np.zeros((0, 4)), np.zeros(0, dtype=np.int64), stale_conf=np.zeros((0, 4)))
     assert lengths.shape == (0,) and lengths.dtype == np.int64
@@ -552,7 +552,7 @@ def test_empty_batch_returns_empty_lengths(policy):
 )
 def test_schedule_rejects_malformed_inputs(conf, max_len, stale, message):
     with pytest.raises(ValueError, match=message):
-        AsyncTopK(TABLE).schedule(conf, max_len, stale)
+        DSparkAsync(TABLE).schedule(conf, max_len, stale)
 
 
 @pytest.mark.parametrize(
@@ -564,15 +564,15 @@ def test_schedule_rejects_malformed_inputs(conf, max_len, stale, message):
         ("threshold:0", Threshold(0.0)),
         ("threshold:0.7", Threshold(0.7)),
         ("threshold:1", Threshold(1.0)),
-        ("dspark", Algorithm1(TABLE)),
-        ("dspark-async", AsyncTopK(TABLE)),
+        ("dspark", DSpark(TABLE)),
+        ("dspark-async", DSparkAsync(TABLE)),
     ],
 )
 def test_parse_policy_accepts_valid_specs(spec, expected):
-    policy = parse_policy(spec, TABLE)
+    policy = policy_for(spec, TABLE)
     assert isinstance(policy, Policy)
     assert policy == expected
-    assert parse_policy(policy.name, TABLE) == policy
+    assert policy_for(policy.name, TABLE) == policy
 
 
 @pytest.mark.parametrize(
@@ -595,15 +595,15 @@ def test_parse_policy_accepts_valid_specs(spec, expected):
 )
 def test_parse_policy_rejects_malformed_spec_and_lists_valid_forms(spec):
     with pytest.raises(ValueError, match="Valid forms") as info:
-        parse_policy(spec, TABLE)
-    for form in POLICY_NAMES:
+        policy_for(spec, TABLE)
+    for form in MODES:
         assert form in str(info.value)
 
 
 @pytest.mark.parametrize("spec", ["dspark", "dspark-async"])
 def test_parse_policy_needs_sps_table_for_dspark(spec):
     with pytest.raises(ValueError, match="SPS table"):
-        parse_policy(spec)
+        policy_for(spec)
 
 
 @pytest.mark.parametrize(
@@ -611,8 +611,8 @@ def test_parse_policy_needs_sps_table_for_dspark(spec):
     [
         lambda: Static(-1),
         lambda: Threshold(1.5),
-        lambda: AsyncTopK(TABLE, prior=2.0),
-        lambda: Algorithm1(None),
+        lambda: DSparkAsync(TABLE, prior=2.0),
+        lambda: DSpark(None),
     ],
     ids=["static", "threshold", "async-prior", "dspark-no-table"],
 )
@@ -626,10 +626,10 @@ def test_skip_drafting_plan_maximises_expected_tokens_per_second():
     expected gain) is never worse than drafting all or none, and matches the extremes."""
     import itertools
 
-    from dspark.core.scheduler import SkipDrafting, prefix_survival
+    from dspark.core.scheduler import DSparkSkip, prefix_survival
 
     sps = SPSTable.from_step_times([1, 8, 32], [0.010, 0.016, 0.040])
-    pol = SkipDrafting(sps)
+    pol = DSparkSkip(sps)
     rng = np.random.default_rng(0)
     for _ in range(30):
         R = int(rng.integers(1, 6))
@@ -656,7 +656,7 @@ def test_skip_drafting_plan_maximises_expected_tokens_per_second():
     assert pol.plan(nan, np.array([7, 7]), 1e9).all()
     assert pol.plan(np.full((2, 7), 0.01), np.array([7, 7]), None).all()
     assert not pol.plan(np.full((2, 7), 0.01), np.array([7, 7]), 1e9).any()
-    assert parse_policy("dspark-skip", sps).name == "dspark-skip"
+    assert policy_for("dspark-skip", sps).name == "dspark-skip"
 
 
 def test_sps_sweep_summary_takes_the_median_over_passes_and_fits_it_monotone():

@@ -14,8 +14,8 @@ from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, draft_vocabula
 from dspark.model_repository.services import DrafterBackboneService, DrafterHeadService, TargetService
 from dspark.models.block_drafter import sample_block
 from dspark.models.target import TargetRunner
+from dspark.orchestrator.batcher import Batcher
 from dspark.orchestrator.bls import RemoteDrafter, RemoteTarget
-from dspark.orchestrator.engine import Engine
 from tests.conftest import TINY
 from tests.unit.test_engine import Collect, _reqs
 from tests.unit.test_engines import _build, _target32
@@ -61,7 +61,7 @@ def test_engine_over_remote_models_equals_the_target_alone(built, mode, head_blo
     reqs = _reqs(5)
     plain = [r.tokens for r in generate(TargetRunner(target, 5, 96), reqs)]
     drafter = RemoteDrafter(call, meta, 3, head_block=head_block)
-    eng = Engine(RemoteTarget(call, TINY.vocab_size, 3, 96), drafter, SPS, None, 3)
+    eng = Batcher(RemoteTarget(call, TINY.vocab_size, 3, 96), drafter, SPS, None, 3)
     sinks = [Collect() for _ in reqs]
     for r, s in zip(reqs, sinks):
         eng.submit(r, mode, s)
@@ -80,12 +80,12 @@ def test_sampled_tokens_over_remote_models_equal_the_in_process_engines(built, h
     reqs = _reqs(3, params=lambda i: SamplingParams(0.8, top_p=0.9, seed=7 + i))
     _, call, meta, _ = _services(out)
     drafter = RemoteDrafter(call, meta, 3, head_block=head_block)
-    eng = Engine(RemoteTarget(call, TINY.vocab_size, 3, 96), drafter, SPS, None, 3)
+    eng = Batcher(RemoteTarget(call, TINY.vocab_size, 3, 96), drafter, SPS, None, 3)
     sinks = [Collect() for _ in reqs]
     for r, s in zip(reqs, sinks):
         eng.submit(r, "static:4", s)
     eng.run_until_idle(500)
-    direct = Engine(
+    direct = Batcher(
         OrtTargetRunner(session(out / "target.opt.onnx", 1), TINY, 3, 96),
         OrtDrafterRunner.load(out, 3, 1),
         SPS,

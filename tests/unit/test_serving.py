@@ -11,7 +11,7 @@ from dspark.core.reference import generate
 from dspark.core.sps import SPSTable
 from dspark.models.block_drafter import BlockDrafterRunner
 from dspark.models.target import TargetRunner
-from dspark.orchestrator.engine import Engine
+from dspark.orchestrator.batcher import Batcher
 from dspark.orchestrator.requests import Limits
 from dspark.orchestrator.streaming import Detokenizer, Orchestrator
 from tests.conftest import TINY, tiny_target
@@ -53,7 +53,9 @@ class Sender:
 
 def _orchestrator(slots=3):
     target = tiny_target()
-    eng = Engine(TargetRunner(target, slots, 96), BlockDrafterRunner(_drafter(target=target), slots, 96), SPS)
+    eng = Batcher(
+        TargetRunner(target, slots, 96), BlockDrafterRunner(_drafter(target=target), slots, 96), SPS
+    )
     limits = Limits(TINY.vocab_size, 96, 64, frozenset({0}))
     return target, Orchestrator(eng, limits, lambda s: [1, 2, 3], decode).start()
 
@@ -84,7 +86,7 @@ def test_streams_tokens_then_one_final_response_with_stats():
             assert s.stats()["mode"] == "dspark" and s.stats()["new_tokens"] == len(r.tokens)
     finally:
         orch.stop()
-    assert orch.engine.target.free_slots == 3 and orch.engine.drafter.free_slots == 3
+    assert orch.batcher.target.free_slots == 3 and orch.batcher.drafter.free_slots == 3
 
 
 def test_stream_false_gives_exactly_one_response():
@@ -110,9 +112,9 @@ def test_stop_string_cuts_the_text_and_frees_the_slot():
         assert s.err is None and s.text() == text[: text.find(stop)]
         assert s.stats()["finish_reason"] == "stop_string"
         deadline = time.time() + 10
-        while orch.engine.target.free_slots != 3 and time.time() < deadline:
+        while orch.batcher.target.free_slots != 3 and time.time() < deadline:
             time.sleep(0.05)
-        assert orch.engine.target.free_slots == 3
+        assert orch.batcher.target.free_slots == 3
     finally:
         orch.stop()
 
@@ -128,9 +130,9 @@ def test_bad_requests_and_cancelled_clients_get_errors_and_release_slots():
         _wait(gone)
         assert gone.err == "cancelled"
         deadline = time.time() + 10
-        while orch.engine.target.free_slots != 3 and time.time() < deadline:
+        while orch.batcher.target.free_slots != 3 and time.time() < deadline:
             time.sleep(0.05)
-        assert orch.engine.target.free_slots == 3 and orch.engine.drafter.free_slots == 3
+        assert orch.batcher.target.free_slots == 3 and orch.batcher.drafter.free_slots == 3
     finally:
         orch.stop()
 
