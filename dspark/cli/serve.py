@@ -8,7 +8,10 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+
+from dspark.paths import REPO
 
 
 def add_parsers(sub) -> None:
@@ -38,62 +41,54 @@ def add_parsers(sub) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     from dspark.model_repository.render import RenderError, render, validate
-    from dspark.serving.launcher import Server, ServerError
+    from dspark.models.loading import target_dir
+    from dspark.serving.launcher import ServerError, serving_session
 
     engines = Path(args.engines)
     if not (engines / "manifest.json").exists():
         print(f"error: no engines in {engines}: run `make engines` first", file=sys.stderr)
         return 2
-    from dspark.models.loading import target_dir
-
-    tdir = target_dir(args.target)
-    try:
-        models = render(
-            args.profile,
-            Path(args.repository),
-            engines,
-            tdir,
-            num_slots=args.slots,
-            max_len=args.max_len,
-            threads=args.threads,
-            max_new_tokens=args.max_new_tokens,
-            default_mode=args.default_mode,
-            max_queue=args.max_queue,
-            prefill_budget=args.prefill_budget,
-            sps_path=str(Path(args.sps).resolve()) if Path(args.sps).exists() else "",
-        )
-        validate(Path(args.repository), require_files=args.profile == "cpu")
-    except RenderError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"[serve] rendered {args.profile} repository {args.repository}: {', '.join(models)}")
+    settings = dict(
+        num_slots=args.slots,
+        max_len=args.max_len,
+        threads=args.threads,
+        max_new_tokens=args.max_new_tokens,
+        default_mode=args.default_mode,
+        max_queue=args.max_queue,
+        prefill_budget=args.prefill_budget,
+        sps_path=str(Path(args.sps).resolve()) if Path(args.sps).exists() else "",
+    )
+    repo, tdir = Path(args.repository), target_dir(args.target)
     if args.render_only:
+        try:
+            models = render(args.profile, repo, engines, tdir, **settings)
+            validate(repo, require_files=args.profile == "cpu")
+        except RenderError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"[serve] rendered {args.profile} repository {repo}: {', '.join(models)}")
         return 0
-    server = Server(
-        Path(args.repository).resolve(),
-        models,
-        args.http_port,
-        args.grpc_port,
-        args.metrics_port,
-        host=args.host,
-    )
-    try:
-        server.start()
-    except ServerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(
-        f"[serve] ready: gRPC {args.host}:{args.grpc_port}, HTTP {args.host}:{args.http_port}, metrics "
-        f"{args.host}:{args.metrics_port}/metrics (log {server.log_path}); Ctrl-C stops it",
-        flush=True,
-    )
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.is_set() and server.alive():
-        stop.wait(0.5)
-    code = server.stop()
+    ports = (args.http_port, args.grpc_port, args.metrics_port)
+    try:
+        with serving_session(
+            engines, repo, tdir, args.profile, ports=ports, host=args.host, **settings
+        ) as server:
+            print(
+                f"[serve] {args.profile} repository {repo}: {', '.join(server.models)}; ready: gRPC "
+                f"{args.host}:{args.grpc_port}, HTTP {args.host}:{args.http_port}, metrics "
+                f"{args.host}:{args.metrics_port}/metrics (log {server.log_path}); Ctrl-C stops it",
+                flush=True,
+            )
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            while not stop.is_set() and server.alive():
+                stop.wait(0.5)
+    except (RenderError, ServerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, RenderError) else 1
     if not stop.is_set():
+        code = server.proc.returncode if server.proc else None
         print(f"error: tritonserver exited on its own (code {code}):\n{server.log_tail()}", file=sys.stderr)
         return 1
     print("[serve] stopped")
@@ -132,87 +127,36 @@ def generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-def server_demo(args: argparse.Namespace, prompts: list[tuple[str, str]]) -> int:
-    """`make demo`: start tritonserver on free loopback ports with the engines, stream one answer
-    per domain in the chosen mode, time the same request with mode=off, stop the server."""
-    from dspark.model_repository.render import render, validate
-    from dspark.serving.client import ClientError, stream_generate
-    from dspark.serving.launcher import Server, ServerError
+@contextmanager
+def demo_server(args: argparse.Namespace):
+    """`make demo`'s server: tritonserver on free loopback ports serving the engines (the shipped
+    SPS table when present); yields run(prompt, mode, on_text) → (token ids, seconds, stats)."""
+    from dspark.serving.client import stream_generate
+    from dspark.serving.launcher import serving_session
 
-    engines = Path(args.engines)
-    repo = Path("build/demo_repository").resolve()
-    sps = Path("results/sps.json")
-    models = render(
-        "cpu",
-        repo,
-        engines,
-        _target(args.target),
-        num_slots=4,
-        max_len=2048,
-        threads=args.threads,
-        sps_path=str(sps.resolve()) if sps.exists() else "",
-    )
-    validate(repo)
-    server = Server.on_free_ports(repo, models)
-    print(
-        f"[demo] starting tritonserver (models: {', '.join(models)}; log {server.log_path or 'build/logs'})"
-    )
+    sps = REPO / "results" / "sps.json"
     t0 = time.perf_counter()
-    try:
-        server.start()
-    except ServerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    url = f"127.0.0.1:{server.grpc_port}"
-    print(
-        f"[demo] ready in {time.perf_counter() - t0:.1f} s: gRPC {url}, HTTP 127.0.0.1:{server.http_port}, "
-        f"metrics 127.0.0.1:{server.metrics_port}/metrics"
+    print("[demo] starting tritonserver on free loopback ports", flush=True)
+    settings = dict(
+        num_slots=4, max_len=2048, threads=args.threads, sps_path=str(sps) if sps.exists() else ""
     )
-    try:
-        # the first request pays the server's one-time startup work (SPS probe without a table)
-        stream_generate(url, text="Hi", max_tokens=2, mode=args.mode)
-        tot = {"off": [0, 0.0], "spec": [0, 0.0]}
-        same_all = True
-        for domain, prompt in prompts:
-            print(f"\n=== {domain}: {prompt[:100].strip()!r}{'…' if len(prompt) > 100 else ''}", flush=True)
-            spec = stream_generate(
-                url,
-                text=prompt,
-                max_tokens=args.max_tokens,
-                mode=args.mode,
-                on_text=lambda piece: print(piece, end="", flush=True),
-            )
-            off = stream_generate(url, text=prompt, max_tokens=args.max_tokens, mode="off")
-            same = spec.token_ids == off.token_ids
-            same_all &= same
-            for key, g in (("spec", spec), ("off", off)):
-                tot[key][0] += len(g.token_ids)
-                tot[key][1] += g.seconds
-            st = spec.stats or {}
-            print(
-                f"\n--- {len(spec.token_ids)} new tokens (greedy) · "
-                f"off: {len(off.token_ids) / off.seconds:.1f} tok/s"
-                f" · {args.mode}: {len(spec.token_ids) / spec.seconds:.1f} tok/s, τ {st.get('tau') or 0:.2f},"
-                f" {off.seconds / spec.seconds:.2f}× off · output "
-                + ("identical" if same else "DIFFERENT (a bug: please report)"),
-                flush=True,
-            )
-        n, secs = tot["off"]
-        ns, ss = tot["spec"]
+    with serving_session(
+        Path(args.engines), REPO / "build" / "demo_repository", _target(args.target), **settings
+    ) as server:
+        url = f"127.0.0.1:{server.grpc_port}"
         print(
-            "\n[demo] through tritonserver (ONNX Runtime engines, one stream at a time): "
-            f"off {n / secs:.1f} tok/s; "
-            f"{args.mode} {ns / ss:.1f} tok/s = {(ns / ss) / (n / secs):.2f}× off"
-            + (", same tokens" if same_all else ", OUTPUTS DIFFER (a bug)")
-            + ". Measured just now on this machine (request sent → last token, prefill included)."
+            f"[demo] ready in {time.perf_counter() - t0:.1f} s: gRPC {url}, "
+            f"HTTP 127.0.0.1:{server.http_port}, "
+            f"metrics 127.0.0.1:{server.metrics_port}/metrics (models: {', '.join(server.models)})"
         )
-        return 0 if same_all else 3
-    except ClientError as e:
-        print(f"error: {e}\n{server.log_tail()}", file=sys.stderr)
-        return 1
-    finally:
-        code = server.stop()
-        print(f"[demo] server stopped (exit code {code})")
+        # the first request pays the server's one-time startup work (SPS probe without a table)
+        stream_generate(url, text="Hi", max_tokens=2, mode="dspark")
+
+        def run(prompt: str, mode: str, on_text):
+            g = stream_generate(url, text=prompt, max_tokens=args.max_tokens, mode=mode, on_text=on_text)
+            return g.token_ids, g.seconds, g.stats or {}
+
+        yield run
 
 
 def _target(name: str):

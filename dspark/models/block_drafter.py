@@ -34,6 +34,7 @@ from dspark.core.interfaces import Drafter, Proposal
 from dspark.core.sampling import sample, uniforms, warp_rows
 from dspark.models.checkpoint import DraftModelMixin
 from dspark.models.losses import block_loss
+from dspark.models.slots import SlotPool
 from dspark.models.target import (
     MASK_VALUE,
     MLP,
@@ -283,12 +284,12 @@ class BlockDrafterRunner(Drafter):
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
         self.length = torch.zeros(num_slots, dtype=torch.long)
         self.max_len = max_len
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.pool = SlotPool(num_slots, max_len, self.length, "drafter context")
         self._slot: dict[int, int] = {}
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self.pool.free_slots
 
     @torch.no_grad()
     def _append(self, slot: int, features: torch.Tensor) -> None:
@@ -303,11 +304,8 @@ class BlockDrafterRunner(Drafter):
         self.length[slot] = start + n
 
     def begin(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
-        if not self._free:
-            raise RuntimeError(f"all {len(self.length)} drafter context slots are in use")
-        slot = self._free.pop()
+        slot = self.pool.allocate()
         self._slot[rid] = slot
-        self.length[slot] = 0
         self._append(slot, features)
 
     def advance(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
@@ -316,8 +314,7 @@ class BlockDrafterRunner(Drafter):
     def end(self, rid: int) -> None:
         slot = self._slot.pop(rid, None)
         if slot is not None:
-            self.length[slot] = 0
-            self._free.append(slot)
+            self.pool.release(slot)
 
     @torch.no_grad()
     def propose(self, rids, anchors, params, gens) -> Proposal:

@@ -48,6 +48,7 @@ from dspark.core.interfaces import Drafter, Proposal
 from dspark.core.sampling import sample, uniforms, warp
 from dspark.models.checkpoint import DraftModelMixin
 from dspark.models.losses import BlockBatch, LossOut, Sequence, l1_distance, target_probs
+from dspark.models.slots import SlotPool
 from dspark.models.target import (
     MASK_VALUE,
     MLP,
@@ -337,12 +338,12 @@ class Eagle3Runner(Drafter):
         self.length = torch.zeros(num_slots, dtype=torch.long)  # committed tokens (= features)
         self.filled = torch.zeros(num_slots, dtype=torch.long)  # complete committed cache entries
         self.max_len = max_len
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.pool = SlotPool(num_slots, max_len, self.length, "drafter context")
         self._slot: dict[int, int] = {}
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self.pool.free_slots
 
     @torch.no_grad()
     def _append(self, slot: int, token_ids: list[int], features: torch.Tensor) -> None:
@@ -356,11 +357,8 @@ class Eagle3Runner(Drafter):
         self.length[slot] = start + n
 
     def begin(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
-        if not self._free:
-            raise RuntimeError(f"all {len(self.length)} drafter context slots are in use")
-        slot = self._free.pop()
+        slot = self.pool.allocate()
         self._slot[rid] = slot
-        self.length[slot] = 0
         self.filled[slot] = 0
         self._append(slot, token_ids, features)
 
@@ -370,9 +368,8 @@ class Eagle3Runner(Drafter):
     def end(self, rid: int) -> None:
         slot = self._slot.pop(rid, None)
         if slot is not None:
-            self.length[slot] = 0
             self.filled[slot] = 0
-            self._free.append(slot)
+            self.pool.release(slot)
 
     def _forward(self, slots: torch.Tensor, u: torch.Tensor, pos: torch.Tensor, n: torch.Tensor):
         """Feed inputs u [R, N, d] at positions pos [R, N] (the first n[r] valid), writing their

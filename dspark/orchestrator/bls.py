@@ -17,59 +17,53 @@ import torch
 from dspark.core.interfaces import Drafter, Proposal, TargetStep
 from dspark.engines.ort import draft_vocabulary
 from dspark.models.block_drafter import block_uniforms, sample_block
+from dspark.models.slots import SlotPool
 
 Call = Callable[[str, dict, list], dict]
 
 
 class RemoteTarget:
-    """Target interface over the `target` model. Slots are sequence ids chosen here; rollbacks
-    are remembered and sent with the sequence's next step (keep_len)."""
+    """Target interface over the `target` model. Sequence ids are the slots of a SlotPool kept
+    here (the model maps each id to its own KV slot); rollbacks are remembered and sent with the
+    sequence's next step (keep_len)."""
 
     def __init__(self, call: Call, vocab_size: int, num_slots: int, max_len: int, model: str = "target"):
         self.call, self.model = call, model
         self.vocab_size = vocab_size
-        self.num_slots, self.max_len = num_slots, max_len
-        self._len: dict[int, int] = {}
-        self._keep: dict[int, int] = {}
-        self._next = 1
+        self.max_len = max_len
+        self.pool = SlotPool(num_slots, max_len, np.zeros(num_slots, np.int64), "target sequence")
+        self._keep = np.full(num_slots, -1, np.int64)  # length to roll back to before the next step
 
     @property
     def free_slots(self) -> int:
-        return self.num_slots - len(self._len)
+        return self.pool.free_slots
 
     def allocate(self) -> int:
-        if self.free_slots <= 0:
-            raise RuntimeError(f"all {self.num_slots} target sequences are in use")
-        sid = self._next
-        self._next += 1
-        self._len[sid] = 0
+        sid = self.pool.allocate()
         self._keep[sid] = 0
         return sid
 
     def release(self, sid: int) -> None:
-        if self._len.pop(sid, None) is None:
-            raise ValueError(f"sequence {sid} released twice")
-        self._keep.pop(sid, None)
+        self.pool.release(sid)
+        self._keep[sid] = -1
         self.call(self.model, {"release_ids": np.array([sid], np.int64)}, [])
 
     def rollback(self, sid: int, length: int) -> None:
-        if not 0 <= length <= self._len[sid]:
-            raise ValueError(f"cannot roll sequence {sid} back to {length}: it holds {self._len[sid]}")
-        self._len[sid] = length
+        self.pool.rollback(sid, length)
         self._keep[sid] = length
 
     def length(self, sid: int) -> int:
-        return self._len[sid]
+        return int(self.pool.length[sid])
 
     def step(self, sids: list[int], tokens: list[list[int]], last_only: bool = False) -> TargetStep:
         n = np.array([len(t) for t in tokens], np.int64)
-        if int(max(self._len[s] + len(t) for s, t in zip(sids, tokens))) > self.max_len:
+        if int(max(self.length(s) + len(t) for s, t in zip(sids, tokens))) > self.max_len:
             raise ValueError(f"sequence would exceed the target's {self.max_len} positions")
         out = self.call(
             self.model,
             {
                 "seq_ids": np.array(sids, np.int64),
-                "keep_len": np.array([self._keep.get(s, -1) for s in sids], np.int64),
+                "keep_len": self._keep[sids],
                 "tokens": np.array([t for row in tokens for t in row], np.int64),
                 "n_tokens": n,
                 "last_only": np.array([last_only]),
@@ -77,7 +71,7 @@ class RemoteTarget:
             ["logits", "features", "lengths"],
         )
         for s, t in zip(sids, tokens):
-            self._len[s] += len(t)
+            self.pool.length[s] += len(t)
             self._keep[s] = -1
         feats = torch.from_numpy(out["features"])
         padded = feats.new_zeros(len(sids), int(n.max()), feats.shape[-1])

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import threading
 import time
 import urllib.request
@@ -37,22 +36,23 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.paths import REPO
-
 MODES = ["off", "static:1", "static:3", "static:7", "threshold:0.5", "dspark", "dspark-async", "dspark-skip"]
 CONCURRENCY = [1, 2, 4, 8, 16, 32]
 SETS = ["gsm8k-test", "humaneval", "mt-bench"]
 MODELS = ["target", "drafter_backbone", "drafter_head"]
 
 
-def eval_prompts(n: int) -> list[dict]:
-    """n prompts, round-robin over the three eval sets (first turns)."""
-    from dspark.paths import shared_dir
+def bench_prompts(n: int, per_set: int = 20) -> list[dict]:
+    """n prompts, round-robin over the three eval sets (first turns; the first `per_set` of each
+    set, repeated when n is larger; the in-repository sample's 8 when ../shared is absent)."""
+    from dspark.prompts import PromptsError, eval_prompts
 
     per = {}
     for s in SETS:
-        with (shared_dir() / "data" / "eval" / f"{s}.jsonl").open() as f:
-            per[s] = [json.loads(line)["turns"][0] for line in f]
+        try:
+            per[s] = eval_prompts(s, per_set)
+        except PromptsError:
+            per[s] = eval_prompts(s, 8, source="repo")
     return [{"text": per[SETS[i % 3]][(i // 3) % len(per[SETS[i % 3]])]} for i in range(n)]
 
 
@@ -403,87 +403,6 @@ def run_bench(
         plots = plot(result, out.parent, out.stem)
         log(f"[bench] wrote {out}, {out.with_suffix('.csv')}, " + ", ".join(map(str, plots)))
     return result
-
-
-def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="concurrency × mode sweep of streaming clients → results/bench.json")
-    b.add_argument("--engines", default="build/engines", help="a `make engines` build folder")
-    b.add_argument(
-        "--url", default=None, help="use a running server (gRPC HOST:PORT) instead of starting one"
-    )
-    b.add_argument("--modes", default=",".join(MODES))
-    b.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
-    b.add_argument("--max-tokens", type=int, default=64)
-    b.add_argument(
-        "--min-requests", type=int, default=3, help="requests per cell: max(this, 2 × concurrency)"
-    )
-    b.add_argument(
-        "--time-limit", type=float, default=120.0, help="seconds per cell before no new request starts"
-    )
-    b.add_argument("--sps", default="results/sps.json", help="SPS table for the server (else a quick probe)")
-    b.add_argument("--threads", type=int, default=2)
-    b.add_argument(
-        "--repeats", type=int, default=2, help="runs per cell (alternating mode order); the median is kept"
-    )
-    b.add_argument(
-        "--prefill-budget", type=int, default=2048, help="the server's prompt tokens per step (0 = no limit)"
-    )
-    b.add_argument("--out", default="results/bench.json")
-    b.set_defaults(fn=cmd_bench)
-
-
-def cmd_bench(args) -> int:
-    import sys
-
-    from dspark.model_repository.render import render
-    from dspark.models.loading import target_dir as _target_dir
-    from dspark.serving.launcher import Server, ServerError
-
-    modes = args.modes.split(",")
-    conc = [int(x) for x in args.concurrency.split(",")]
-    prompts = eval_prompts(60)
-    out = Path(args.out)
-    if args.url:
-        run_bench(
-            args.url, modes, conc, prompts, args.max_tokens, args.min_requests, args.time_limit, out,
-            repeats=args.repeats,
-        )  # fmt: skip
-        return 0
-    engines = Path(args.engines)
-    if not (engines / "manifest.json").exists():
-        print(f"error: no engines in {engines}: run `make engines` first", file=sys.stderr)
-        return 2
-    sps = Path(args.sps)
-    repo = REPO / "build" / "bench_repository"
-    models = render(
-        "cpu", repo, engines, _target_dir("smollm2-135m-instruct"), num_slots=max(conc), max_len=1024,
-        threads=args.threads, max_queue=4 * max(conc), sps_path=str(sps.resolve()) if sps.exists() else "",
-        prefill_budget=args.prefill_budget,
-    )  # fmt: skip
-    server = Server.on_free_ports(repo, models, REPO / "build" / "logs" / "bench.log")
-    try:
-        server.start()
-    except ServerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    try:
-        meta = {
-            "sps_table": str(sps) if sps.exists() else "quick startup probe",
-            "slots": max(conc),
-            "threads": args.threads,
-            "prefill_budget": args.prefill_budget,
-            "engines": str(engines),
-            "command": "dspark bench " + " ".join(sys.argv[2:]),
-            "cpu_count": os.cpu_count(),
-        }
-        run_bench(
-            f"127.0.0.1:{server.grpc_port}", modes, conc, prompts, args.max_tokens, args.min_requests,
-            args.time_limit, out, f"http://127.0.0.1:{server.metrics_port}/metrics", server.proc.pid, meta,
-            repeats=args.repeats,
-        )  # fmt: skip
-    finally:
-        server.stop()
-    return 0
 
 
 def markdown(result: dict) -> str:

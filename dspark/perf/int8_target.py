@@ -21,8 +21,8 @@ from dspark.core.interfaces import Request
 from dspark.core.reference import generate
 from dspark.engines.ort import OrtTargetRunner, session
 from dspark.models.loading import load_target
-from dspark.paths import shared_dir
 from dspark.perf.engine_bench import timed
+from dspark.prompts import eval_prompts
 
 
 def main() -> None:
@@ -57,11 +57,7 @@ def main() -> None:
         r.release(0)
     prompts = []
     for name in ("gsm8k-test", "humaneval", "mt-bench"):
-        with (shared_dir() / "data" / "eval" / f"{name}.jsonl").open() as f:
-            for i, line in enumerate(f):
-                if i >= args.prompts:
-                    break
-                prompts.append(json.loads(line)["turns"][0])
+        prompts += eval_prompts(name, args.prompts)
     reqs = [Request(loaded.chat_ids(p), args.tokens, stop_ids=loaded.stop_ids) for p in prompts]
     outs = {}
     for k, r in runners.items():

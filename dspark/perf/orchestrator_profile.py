@@ -17,8 +17,7 @@ from pathlib import Path
 from dspark.core.interfaces import Request
 from dspark.core.sampling import SamplingParams
 from dspark.models.loading import DEFAULT_TARGET
-from dspark.paths import shared_dir
-from dspark.prompts import first_turn
+from dspark.prompts import eval_prompts
 
 
 def main() -> None:
@@ -57,8 +56,7 @@ def main() -> None:
     orch = make_orchestrator(params, call)
     eng = orch.batcher
     eng.set_sps(probe_sps(call))
-    data = shared_dir() / "data" / "eval"
-    prompts = [first_turn(data / f"{s}.jsonl") for s in ("gsm8k-test", "humaneval", "mt-bench")]
+    prompts = [eval_prompts(s, 1)[0] for s in ("gsm8k-test", "humaneval", "mt-bench")]
 
     class Sink:
         def tokens(self, t):

@@ -171,20 +171,18 @@ def run_sweep(
     from tqdm import tqdm
 
     from dspark.core.sps import SPSTable
-    from dspark.model_repository.render import render
-    from dspark.serving.launcher import Server
+    from dspark.serving.launcher import serving_session
 
     if max(sizes) + 1 > 64 + 1:
         raise ValueError("the probe entry takes at most 64 tokens per step (B <= 64)")
     work = REPO / "build" / "sps"
     vocab = json.loads((engines / "target_meta.json").read_text())["config"]["vocab_size"]
-    render(
-        "cpu", work / "repository", engines, None, num_slots=1, max_len=max(contexts) + 64, threads=threads
-    )
-    server = Server.on_free_ports((work / "repository").resolve(), ["target"], work / "server.log")
     t0 = time.perf_counter()
     points = []
-    with server:
+    settings = dict(num_slots=1, max_len=max(contexts) + 64, threads=threads)
+    with serving_session(
+        engines, work / "repository", models=["target"], log_path=work / "server.log", **settings
+    ) as server:
         url = f"127.0.0.1:{server.grpc_port}"
         log(f"[sps] target on {url}; {len(sizes)} sizes × {len(contexts)} contexts through perf_analyzer")
         with tqdm(total=len(sizes) * len(contexts) * passes, unit="point", desc="sps") as bar:
@@ -250,38 +248,3 @@ def plot(result: dict, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
-
-
-def add_parser(sub) -> None:
-    s = sub.add_parser("sps", help="measure the target's SPS(B) curve with perf_analyzer → results/sps.json")
-    s.add_argument("--engines", default="build/engines", help="a `make engines` build folder")
-    s.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="batch tokens B (comma list)")
-    s.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), help="context lengths L")
-    s.add_argument("--out", default="results/sps.json")
-    s.add_argument("--threads", type=int, default=2)
-    s.add_argument("--requests", type=int, default=40, help="requests per perf_analyzer measurement window")
-    s.add_argument(
-        "--passes", type=int, default=3, help="sweeps over all B (alternating direction); the median is kept"
-    )
-    s.set_defaults(fn=cmd_sps)
-
-
-def cmd_sps(args) -> int:
-    engines = Path(args.engines)
-    if not (engines / "manifest.json").exists():
-        print(f"error: no engines in {engines}: run `make engines` first", file=sys.stderr)
-        return 2
-    try:
-        run_sweep(
-            engines,
-            [int(x) for x in args.sizes.split(",")],
-            [int(x) for x in args.contexts.split(",")],
-            Path(args.out),
-            args.threads,
-            args.requests,
-            args.passes,
-        )
-    except PerfAnalyzerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,3 +187,38 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextmanager
+def serving_session(
+    engines: Path,
+    repository: Path,
+    target_dir: Path | None = None,
+    profile: str = "cpu",
+    models: list[str] | None = None,
+    ports: tuple[int, int, int] | None = None,
+    host: str = "127.0.0.1",
+    log_path: Path | None = None,
+    **settings,
+) -> Iterator[Server]:
+    """Render the repository for `profile` from an engine build, validate it, start tritonserver
+    (on free loopback ports unless `ports` = (http, grpc, metrics) are given) with `models` (all
+    rendered models by default), yield the ready Server, stop it on exit. `settings` go to
+    dspark.model_repository.render.render (num_slots, max_len, threads, sps_path, ...).
+    Raises RenderError or ServerError with a message that says what to do."""
+    from dspark.model_repository.render import render, validate
+
+    rendered = render(profile, Path(repository), Path(engines), target_dir, **settings)
+    validate(Path(repository), require_files=profile == "cpu")
+    repo = Path(repository).resolve()
+    chosen = models or rendered
+    server = (
+        Server(repo, chosen, *ports, host=host, log_path=log_path)
+        if ports is not None
+        else Server.on_free_ports(repo, chosen, log_path)
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

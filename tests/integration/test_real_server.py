@@ -13,8 +13,7 @@ from dspark.model_repository.render import render
 from dspark.models.loading import DEFAULT_TARGET
 from dspark.models.loading import target_dir as _target_dir
 from dspark.models.target import TargetRunner
-from dspark.paths import shared_dir
-from dspark.prompts import first_turn
+from dspark.prompts import eval_prompts
 from dspark.serving.launcher import Server
 from tests.integration.test_tiny_server import _metrics, _stream
 
@@ -38,8 +37,7 @@ def real_server(real_engines, tmp_path_factory):
 
 
 def _prompts(n_per_set: dict[str, int]) -> list[str]:
-    data = shared_dir() / "data" / "eval"
-    return [first_turn(data / f"{name}.jsonl", i) for name, n in n_per_set.items() for i in range(n)]
+    return [p for name, n in n_per_set.items() for p in eval_prompts(name, n)]
 
 
 def _text_request(prompt: str, max_tokens: int, mode: str, rid: str, **sampling):

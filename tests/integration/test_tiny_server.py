@@ -282,15 +282,16 @@ def _long_prompt(target, n_tokens=60):
 
 
 _CLIENT = """
-import os, sys, time, numpy as np, tritonclient.grpc as g
+import os, sys, threading, numpy as np, tritonclient.grpc as g
 url, prompt, cancel = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], sys.argv[3] == "1"
 c = g.InferenceServerClient(url)
-c.start_stream(callback=lambda result=None, error=None: None)
+first = threading.Event()
+c.start_stream(callback=lambda result=None, error=None: first.set())
 ids = g.InferInput("input_ids", [len(prompt)], "INT64"); ids.set_data_from_numpy(np.array(prompt, np.int64))
 n = g.InferInput("max_tokens", [1], "INT32"); n.set_data_from_numpy(np.array([60], np.int32))
 m = g.InferInput("mode", [1], "BYTES"); m.set_data_from_numpy(np.array([b"off"], dtype=object))
 c.async_stream_infer("dspark", [ids, n, m], request_id="long")
-time.sleep(0.02)  # on its way: 60 target-only rounds take ~0.3 s
+first.wait(30)  # decoding has started (the first tokens arrived); 60 target-only rounds take ~0.3 s
 if cancel:
     c.stop_stream(cancel_requests=True)
 os._exit(0)  # no goodbye: the connection just goes away

@@ -10,8 +10,7 @@ from dspark.core.scheduler import policy_for
 from dspark.core.sps import SPSTable
 from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, session
 from dspark.models.target import TargetRunner
-from dspark.paths import shared_dir
-from dspark.prompts import first_turn
+from dspark.prompts import eval_prompts
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +34,7 @@ def test_real_engines_pass_their_gates(built):
 def test_greedy_through_onnx_engines_equals_the_pytorch_target_on_eval_prompts(built):
     """ORT target + ORT drafter graphs in the reference loop vs PyTorch target-only greedy."""
     loaded, out = built
-    data = shared_dir() / "data" / "eval"
-    prompts = [first_turn(data / f"{name}.jsonl", 0) for name in ("gsm8k-test", "humaneval", "mt-bench")]
+    prompts = [eval_prompts(name, 1)[0] for name in ("gsm8k-test", "humaneval", "mt-bench")]
     reqs = [Request(loaded.chat_ids(p), max_tokens=48, stop_ids=loaded.stop_ids) for p in prompts]
     plain = generate(TargetRunner(loaded.model, 3, 1024), reqs)
     sps = SPSTable.from_step_times([1, 32], [1.0, 2.0])

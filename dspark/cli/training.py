@@ -1,0 +1,344 @@
+"""`dspark data | train | eval | report`: the drafter pipeline (regenerated answers → target cache →
+training runs → acceptance evaluation)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dspark.paths import shared_dir
+
+
+def add_parsers(sub) -> None:
+    dd = sub.add_parser("data", help="the target regenerates answers to the training prompts (resumable)")
+    dd.add_argument("--target", default="smollm2-135m-instruct")
+    dd.add_argument("--out", default="artifacts/data/answers.jsonl")
+    dd.add_argument("--cache", default="artifacts/cache", help="target cache folder ('' to skip)")
+    dd.add_argument(
+        "--seed-from",
+        default="data/regenerated/answers.jsonl.gz",
+        help="committed answers to start from when --out does not exist yet",
+    )
+    dd.add_argument("--batch", type=int, default=32)
+    dd.add_argument("--max-new-tokens", type=int, default=256)
+    dd.add_argument("--max-prompt-tokens", type=int, default=768)
+    dd.add_argument("--limit", type=int, default=None, help="stop after this many answers in total")
+    dd.add_argument("--threads", type=int, default=2)
+    dd.add_argument(
+        "--no-generate",
+        action="store_true",
+        help="only unpack the committed answers and rebuild their target cache; generate nothing new",
+    )
+    dd.add_argument(
+        "--engines",
+        default=None,
+        help="generate on the ONNX Runtime target engine of this build folder (make engines) "
+        "instead of the PyTorch model",
+    )
+    dd.add_argument(
+        "--pools",
+        default="original",
+        choices=["original", "all"],
+        help="original: the three first pools; all: every pool in train_prompts, balanced over "
+        "math / code / chat",
+    )
+    dd.add_argument(
+        "--references",
+        default=None,
+        metavar="JSONL",
+        help="instead of generating: write the large pools' reference answers to JSONL and build their "
+        "target cache (teacher-forced corpus; --cache defaults to artifacts/cache-ref)",
+    )
+    dd.set_defaults(fn=cmd_data)
+
+    t = sub.add_parser("train", help="train a drafter on the target cache (resumable) and ship it")
+    t.add_argument("--kind", choices=["dspark", "dspark-rnn", "dflash", "eagle3"], default="dspark")
+    t.add_argument("--target", default="smollm2-135m-instruct")
+    t.add_argument("--answers", default="artifacts/data/answers.jsonl")
+    t.add_argument("--cache", default="artifacts/cache")
+    t.add_argument("--out", default=None, help="run folder (default artifacts/runs/KIND)")
+    t.add_argument("--ship", default=None, help="where the final drafter goes (default drafters/KIND)")
+    t.add_argument("--steps", type=int, default=600)
+    t.add_argument("--until", type=int, default=None, help="stop after this many steps (resume later)")
+    t.add_argument("--seqs-per-step", type=int, default=8)
+    t.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary size")
+    t.add_argument("--layers", type=int, default=None, help="draft layers (default 2; eagle3: 1)")
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--ckpt-every", type=int, default=50)
+    t.add_argument("--sts-prompts", type=int, default=40)
+    t.add_argument("--sts-tokens", type=int, default=128)
+    t.add_argument("--threads", type=int, default=2)
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="offline acceptance: fixed γ chain drafting over a {turns} JSONL file")
+    e.add_argument(
+        "--drafter", required=True, help="a checkpoint directory or a shipped name: dspark, dflash, eagle3"
+    )
+    e.add_argument("--data", required=True)
+    e.add_argument("--target", default="smollm2-135m-instruct")
+    e.add_argument("--limit", type=int, default=None)
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--seed", type=int, default=980406)
+    e.add_argument("--batch", type=int, default=4)
+    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--json", default=None, help="write the full result JSON here")
+    e.add_argument("--engines", default=None, help="verify with the ORT target engine of this build (faster)")
+    e.set_defaults(fn=cmd_eval)
+
+    rp = sub.add_parser("report", help="τ / ECE tables and plots from eval JSON files")
+    rp.add_argument("--evals", default="artifacts/eval")
+    rp.add_argument("--drafters", default="drafters")
+    rp.add_argument("--out", default="docs/acceptance")
+    rp.set_defaults(fn=cmd_report)
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.models.loading import load_target
+    from dspark.training.data import TRAIN_POOLS, interleave, read_prompts, regenerate
+
+    torch.set_num_threads(args.threads)
+    src = shared_dir() / "data" / "train_prompts"
+    missing = [p for p in TRAIN_POOLS if not (src / f"{p}.jsonl").exists()]
+    if missing:
+        print(f"error: training prompts {missing} not found in {src} (set DSPARK_SHARED)", file=sys.stderr)
+        return 2
+    prompts = interleave([read_prompts(src / f"{p}.jsonl") for p in TRAIN_POOLS])
+    if args.pools == "all":
+        from dspark.training.data import LARGE_POOLS, balanced
+
+        pools = [p for p in (*TRAIN_POOLS, *LARGE_POOLS) if (src / f"{p}.jsonl").exists()]
+        prompts = balanced([q for p in pools for q in read_prompts(src / f"{p}.jsonl")])
+    loaded = load_target(args.target)
+    if args.references:
+        cache = "artifacts/cache-ref" if args.cache in ("", "artifacts/cache") else args.cache
+        return _reference_corpus(loaded, src, Path(args.references), Path(cache))
+    out, seed_from = Path(args.out), Path(args.seed_from) if args.seed_from else None
+    if seed_from is not None and seed_from.exists() and not out.exists():
+        import gzip
+        import shutil
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(seed_from, "rb") as src_f, out.open("wb") as dst_f:
+            shutil.copyfileobj(src_f, dst_f)
+        print(f"[data] starting from the committed answers in {seed_from}")
+    if args.cache:
+        from dspark.training.data import build_cache
+
+        n = build_cache(loaded, out, Path(args.cache))
+        if n:
+            print(f"[data] rebuilt the target cache for {n} committed answers")
+    if args.no_generate:
+        print("[data] --no-generate: using the answers already there (run `make data` to generate the rest)")
+        return 0
+    runner = None
+    if args.engines:
+        from dspark.engines.ort import OrtTargetRunner, session
+
+        onnx = Path(args.engines) / "target.opt.onnx"
+        if not onnx.exists():
+            print(f"error: no target engine in {args.engines}: run `make engines` first", file=sys.stderr)
+            return 2
+        max_len = args.max_prompt_tokens + args.max_new_tokens + 1
+        runner = OrtTargetRunner(session(onnx, args.threads), loaded.model.cfg, args.batch, max_len)
+    regenerate(
+        loaded,
+        prompts,
+        Path(args.out),
+        cache_dir=Path(args.cache) if args.cache else None,
+        batch=args.batch,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        limit=args.limit,
+        runner=runner,
+    )
+    return 0
+
+
+def _reference_corpus(loaded, src: Path, out: Path, cache: Path) -> int:
+    """Teacher-forced corpus (issue 12): the large pools' `reference` answers as answer records,
+    then their target cache (one prefill pass each, no generation)."""
+    from dspark.training.data import LARGE_POOLS, balanced, build_cache, read_answers, reference_records
+
+    missing = [p for p in LARGE_POOLS if not (src / f"{p}.jsonl").exists()]
+    if missing:
+        print(f"error: pools {missing} not found in {src} (set DSPARK_SHARED)", file=sys.stderr)
+        return 2
+    if not out.exists():
+        recs = [r for p in LARGE_POOLS for r in reference_records(loaded, src / f"{p}.jsonl")]
+        order = {(p.pool, p.index): i for i, p in enumerate(balanced(_as_prompts(recs)))}
+        recs.sort(key=lambda r: order[(r["pool"], r["index"])])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        with tmp.open("w") as f:
+            for r in recs:
+                f.write(json.dumps(r) + "\n")
+        tmp.rename(out)
+    n = sum(1 for _ in read_answers(out))
+    print(
+        f"[data] teacher-forced corpus: {n} reference answers in {out}; target cache in {cache}", flush=True
+    )
+    build_cache(loaded, out, cache)
+    return 0
+
+
+def _as_prompts(recs: list[dict]):
+    from dspark.training.data import Prompt
+
+    return [Prompt(r["pool"], r["index"], "") for r in recs]
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.models.loading import load_target
+    from dspark.training.evaluate import rollout_traces
+    from dspark.training.pipeline import SHIPPED, run_training, runner_for
+    from dspark.training.train import TrainConfig
+
+    torch.set_num_threads(args.threads)
+    loaded = load_target(args.target)
+    tc = TrainConfig(
+        steps=args.steps,
+        seqs_per_step=args.seqs_per_step,
+        anchors_per_seq=args.anchors,
+        lr=args.lr,
+        log_every=args.log_every,
+        ckpt_every=args.ckpt_every,
+    )
+    out = Path(args.out or f"artifacts/runs/{args.kind}")
+    res = run_training(
+        loaded,
+        args.kind,
+        Path(args.answers),
+        Path(args.cache),
+        out,
+        tc,
+        args.vocab_size,
+        args.layers,
+        until=args.until,
+    )
+    model, summary = res["model"], res["summary"]
+    if summary["steps"] < tc.steps:
+        print(f"[train] stopped at step {summary['steps']}/{tc.steps}; run the same command again to resume")
+        return 0
+    extra = {"summary": {k: v for k, v in summary.items() if k != "history"}, "history": summary["history"]}
+    if model.cfg.kind == "dspark" and res["held"]:
+        prompts = [a["prompt_ids"] for a in res["held"][: args.sts_prompts]]
+        print(
+            f"[train] fitting STS on speculative rollouts of {len(prompts)} held-out prompts (T=1)",
+            flush=True,
+        )
+        traces = rollout_traces(loaded, runner_for(model, 4, 2048), prompts, args.sts_tokens, temperature=1.0)
+        from dspark.training.evaluate import fit_sts_on_traces
+
+        extra["sts"] = fit_sts_on_traces(traces, model.cfg.block_size).to_dict()
+    dest = Path(args.ship) if args.ship else SHIPPED / args.kind
+    model.save(dest, extra=extra)
+    print(f"[train] saved {dest} ({sum(f.stat().st_size for f in dest.iterdir()) / 1e6:.1f} MB)")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.models.loading import load_target
+    from dspark.training.evaluate import EvalConfig, evaluate, read_first_turns
+    from dspark.training.pipeline import load_drafter, runner_for
+
+    torch.set_num_threads(args.threads)
+    loaded = load_target(args.target)
+    try:
+        model, sts = load_drafter(args.drafter, loaded)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = EvalConfig(
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        batch=args.batch,
+    )
+    prompts = read_first_turns(Path(args.data), cfg.limit, cfg.seed)
+    factory = None
+    if args.engines and (Path(args.engines) / "target.opt.onnx").exists():
+        from dspark.engines.ort import OrtTargetRunner, session
+
+        sess = session(Path(args.engines) / "target.opt.onnx", args.threads)
+        factory = lambda slots, max_len: OrtTargetRunner(sess, loaded.model.cfg, slots, max_len)  # noqa: E731
+        print(f"[eval] target: ONNX Runtime engine {args.engines}/target.opt.onnx")
+    with torch.no_grad():
+        out, arrays = evaluate(
+            loaded, runner_for(model, cfg.batch, 4096), prompts, cfg, sts, target_factory=factory
+        )
+    out["target_runtime"] = "onnxruntime" if factory else "pytorch"
+    out.update(drafter=args.drafter, data=str(args.data), kind=model.cfg.kind)
+    if args.json:
+        import numpy as np
+
+        dest = Path(args.json)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(json.dumps(out, indent=2))
+        np.savez(dest.with_suffix(".rounds.npz"), **arrays)  # for reliability plots
+    print(
+        f"{Path(args.data).stem}: τ {out['tau']:.3f} over {out['rounds']} rounds, "
+        f"{out['new_tokens']} new tokens"
+        + (
+            f", ECE raw {out['ece_raw']:.3f} → STS {out['ece_sts']:.3f}"
+            if out.get("ece_sts") is not None
+            else ""
+        )
+    )
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from dspark.core.calibration import STS
+    from dspark.training.report import (
+        ece_table,
+        load_evals,
+        plot_conditional,
+        plot_reliability,
+        plot_training,
+        tau_table,
+    )
+
+    evals = load_evals(Path(args.evals))
+    if not evals:
+        print(f"error: no eval JSON in {args.evals}: run `make eval` first", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_conditional(evals, out / "conditional_acceptance.png")
+    drafters = sorted(p for p in Path(args.drafters).glob("*") if (p / "drafter.json").exists())
+    plot_training(drafters, out / "training_curves.png")
+    for d in drafters:
+        meta = json.loads((d / "drafter.json").read_text())
+        rounds = sorted(Path(args.evals).glob(f"{d.name}-*-T1.rounds.npz"))
+        if meta.get("sts") and rounds:
+            z = [np.load(r) for r in rounds]
+            plot_reliability(
+                np.concatenate([a["logits"] for a in z]),
+                np.concatenate([a["accepted"] for a in z]),
+                np.concatenate([a["verified" if "verified" in a else "proposed"] for a in z]),
+                STS.from_dict(meta["sts"]),
+                out / f"reliability_{d.name}.png",
+            )
+    (out / "acceptance.md").write_text(
+        "## τ (bonus token included)\n\n"
+        + tau_table(evals)
+        + "\n\n## Calibration of prefix survival\n\n"
+        + ece_table(evals)
+        + "\n"
+    )
+    print(f"[report] wrote {out}/acceptance.md and plots")
+    return 0
