@@ -33,13 +33,38 @@ def add_parsers(sub) -> None:
         help="prompt tokens admitted (prefilled) per engine step, at least one request; 0 = no limit",
     )  # fmt: skip
     s.add_argument("--render-only", action="store_true", help="render + validate the repository, then exit")
+    s.add_argument(
+        "--no-render", action="store_true",
+        help="serve --repository as it is (rendered before by --render-only, e.g. in an initContainer)",
+    )  # fmt: skip
+    s.add_argument(
+        "--allow-remote", action="store_true",
+        help="required for a --host other than loopback: the server has no authentication",
+    )  # fmt: skip
+    s.add_argument(
+        "--exit-timeout", type=int, default=5,
+        help="on SIGTERM, seconds tritonserver waits for running requests (streams) before exiting",
+    )  # fmt: skip
+    s.add_argument("--max-prompt-tokens", type=int, default=0, help="per-request prompt cap (0 = context)")
+    s.add_argument("--max-stop-strings", type=int, default=8, help="per-request number of stop strings")
+    s.add_argument("--max-stop-chars", type=int, default=128, help="characters per stop string")
+    s.add_argument("--max-request-bytes", type=int, default=1 << 20, help="bytes of inputs per request")
     s.set_defaults(fn=serve)
 
 
 def serve(args: argparse.Namespace) -> int:
     from dspark.model_repository.render import RenderError, render, validate
-    from dspark.serving.launcher import Server, ServerError
+    from dspark.serving.exposure import ExposureError, check_host
 
+    try:
+        warning = check_host(args.host, args.allow_remote)
+    except ExposureError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.no_render:
+        return _run(args, None)
     engines = Path(args.engines)
     if not (engines / "manifest.json").exists():
         print(f"error: no engines in {engines}: run `make engines` first", file=sys.stderr)
@@ -61,6 +86,10 @@ def serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             prefill_budget=args.prefill_budget,
             sps_path=str(Path(args.sps).resolve()) if Path(args.sps).exists() else "",
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_chars=args.max_stop_chars,
+            max_request_bytes=args.max_request_bytes,
         )
         validate(Path(args.repository), require_files=args.profile == "cpu")
     except RenderError as e:
@@ -69,6 +98,19 @@ def serve(args: argparse.Namespace) -> int:
     print(f"[serve] rendered {args.profile} repository {args.repository}: {', '.join(models)}")
     if args.render_only:
         return 0
+    return _run(args, models)
+
+
+def _run(args: argparse.Namespace, models: list[str] | None) -> int:
+    from dspark.model_repository.render import RenderError, validate
+    from dspark.serving.launcher import Server, ServerError
+
+    if models is None:  # --no-render: the repository as it is
+        try:
+            models = sorted(validate(Path(args.repository), require_files=args.profile == "cpu"))
+        except (RenderError, OSError) as e:
+            print(f"error: {args.repository}: {e}", file=sys.stderr)
+            return 2
     server = Server(
         Path(args.repository).resolve(),
         models,
@@ -76,6 +118,7 @@ def serve(args: argparse.Namespace) -> int:
         args.grpc_port,
         args.metrics_port,
         host=args.host,
+        exit_timeout=args.exit_timeout,
     )
     try:
         server.start()
