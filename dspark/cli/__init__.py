@@ -592,12 +592,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", default="docs/acceptance")
     rp.set_defaults(fn=cmd_report)
 
+    from dspark.cli.deploy import add_parser as add_deploy
     from dspark.cli.engines import add_parser as add_engines
     from dspark.cli.serve import add_parsers as add_serving
     from dspark.perf.bench import add_parser as add_bench
     from dspark.perf.sps import add_parser as add_sps
 
     add_engines(sub)
+    add_deploy(sub)
     add_serving(sub)
     add_sps(sub)
     add_bench(sub)

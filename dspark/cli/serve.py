@@ -45,6 +45,8 @@ def add_parsers(sub) -> None:
         "--exit-timeout", type=int, default=5,
         help="on SIGTERM, seconds tritonserver waits for running requests (streams) before exiting",
     )  # fmt: skip
+    s.add_argument("--tritonserver", default=None, help="a tritonserver binary (default: the pip wheel's)")
+    s.add_argument("--backend-directory", default=None, help="its backends folder (with --tritonserver)")
     s.add_argument("--max-prompt-tokens", type=int, default=0, help="per-request prompt cap (0 = context)")
     s.add_argument("--max-stop-strings", type=int, default=8, help="per-request number of stop strings")
     s.add_argument("--max-stop-chars", type=int, default=128, help="characters per stop string")
@@ -119,6 +121,8 @@ def _run(args: argparse.Namespace, models: list[str] | None) -> int:
         args.metrics_port,
         host=args.host,
         exit_timeout=args.exit_timeout,
+        binary=Path(args.tritonserver) if args.tritonserver else None,
+        backend_directory=Path(args.backend_directory) if args.backend_directory else None,
     )
     try:
         server.start()
