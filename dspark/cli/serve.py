@@ -47,6 +47,11 @@ def add_parsers(sub) -> None:
     )  # fmt: skip
     s.add_argument("--tritonserver", default=None, help="a tritonserver binary (default: the pip wheel's)")
     s.add_argument("--backend-directory", default=None, help="its backends folder (with --tritonserver)")
+    s.add_argument(
+        "--no-supervise", action="store_true",
+        help="do not watch the python-backend stubs (by default a dead stub is reloaded or the server "
+        "restarted: Triton 2.51 neither restarts it nor reports it in its health endpoints)",
+    )  # fmt: skip
     s.add_argument("--max-prompt-tokens", type=int, default=0, help="per-request prompt cap (0 = context)")
     s.add_argument("--max-stop-strings", type=int, default=8, help="per-request number of stop strings")
     s.add_argument("--max-stop-chars", type=int, default=128, help="characters per stop string")
@@ -137,8 +142,22 @@ def _run(args: argparse.Namespace, models: list[str] | None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    from dspark.serving.supervisor import Supervisor
+
+    supervisor = None if args.no_supervise else Supervisor(server, log=lambda m: print(m, flush=True))
     while not stop.is_set() and server.alive():
-        stop.wait(0.5)
+        stop.wait(1.0)
+        if supervisor is not None and not stop.is_set():
+            try:
+                supervisor.check()
+            except (OSError, ServerError) as e:
+                print(f"error: could not repair the server: {e}", file=sys.stderr)
+                server.stop()
+                return 1
+    if stop.is_set() and server.alive():
+        from dspark.serving.supervisor import drain
+
+        drain(server, args.exit_timeout, log=lambda m: print(m, flush=True))
     code = server.stop()
     if not stop.is_set():
         print(f"error: tritonserver exited on its own (code {code}):\n{server.log_tail()}", file=sys.stderr)

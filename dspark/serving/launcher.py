@@ -143,7 +143,7 @@ class Server:
                 )
         self.log_path = self.log_path or (REPO / "build" / "logs" / f"tritonserver-{self.http_port}.log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("wb")
+        log = self.log_path.open("ab")  # a restart (supervisor) appends
         self.proc = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
         )
