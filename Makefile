@@ -5,7 +5,8 @@ PYTEST  := $(PY) -m pytest
 export OMP_NUM_THREADS ?= 2
 SHARED  ?= $(or $(DSPARK_SHARED),../shared)
 
-.PHONY: setup demo test test-fast test-slow test-integration lint clean data train eval engines serve sps bench
+.PHONY: setup demo test test-fast test-slow test-integration lint clean data train eval engines serve sps bench \
+        replicas-test soak deploy
 
 setup:
 	@bash scripts/setup.sh
@@ -90,3 +91,19 @@ lint: setup
 
 clean:
 	rm -rf build artifacts .pytest_cache
+
+# Issue 16: two tritonservers on loopback, kill -9 one under 16 concurrent streams; the client's
+# endpoint list replays on the other with the same seed (same tokens, none lost, none twice).
+replicas-test: setup
+	$(PYTEST) -q -s tests/integration/test_replicas.py
+
+# Soak: 32 streaming clients for SOAK_MINUTES (tiny engines, loopback only) mixing modes, sampling,
+# stop strings, cancellations and bad requests → results/soak.json + results/soak.png
+SOAK_MINUTES ?= 10
+soak: setup
+	$(PY) -m dspark.perf.soak --minutes $(SOAK_MINUTES) --clients 32 --out results/soak.json
+
+# Kubernetes / KServe manifests for a profile (PROFILE=cpu|gpu) → build/deploy/PROFILE
+PROFILE ?= cpu
+deploy: setup
+	$(PY) -m dspark.cli deploy --profile $(PROFILE)

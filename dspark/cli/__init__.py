@@ -15,7 +15,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dspark.cli import demo, engines, perf, serve, training
+    from dspark.cli import demo, deploy, engines, perf, serve, training
 
     p = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding, compiled and served")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     engines.add_parser(sub)
     serve.add_parsers(sub)
     perf.add_parsers(sub)
+    deploy.add_parser(sub)
     return p
 
 

@@ -36,59 +36,133 @@ def add_parsers(sub) -> None:
         help="prompt tokens admitted (prefilled) per engine step, at least one request; 0 = no limit",
     )  # fmt: skip
     s.add_argument("--render-only", action="store_true", help="render + validate the repository, then exit")
+    s.add_argument(
+        "--no-render", action="store_true",
+        help="serve --repository as it is (rendered before by --render-only, e.g. in an initContainer)",
+    )  # fmt: skip
+    s.add_argument(
+        "--allow-remote", action="store_true",
+        help="required for a --host other than loopback: the server has no authentication",
+    )  # fmt: skip
+    s.add_argument(
+        "--exit-timeout", type=int, default=5,
+        help="on SIGTERM, seconds tritonserver waits for running requests (streams) before exiting",
+    )  # fmt: skip
+    s.add_argument("--tritonserver", default=None, help="a tritonserver binary (default: the pip wheel's)")
+    s.add_argument("--backend-directory", default=None, help="its backends folder (with --tritonserver)")
+    s.add_argument(
+        "--no-supervise", action="store_true",
+        help="do not watch the python-backend stubs (by default a dead stub is reloaded or the server "
+        "restarted: Triton 2.51 neither restarts it nor reports it in its health endpoints)",
+    )  # fmt: skip
+    s.add_argument("--max-prompt-tokens", type=int, default=0, help="per-request prompt cap (0 = context)")
+    s.add_argument("--max-stop-strings", type=int, default=8, help="per-request number of stop strings")
+    s.add_argument("--max-stop-chars", type=int, default=128, help="characters per stop string")
+    s.add_argument("--max-request-bytes", type=int, default=1 << 20, help="bytes of inputs per request")
     s.set_defaults(fn=serve)
 
 
 def serve(args: argparse.Namespace) -> int:
     from dspark.model_repository.render import RenderError, render, validate
-    from dspark.models.loading import target_dir
-    from dspark.serving.launcher import ServerError, serving_session
+    from dspark.serving.exposure import ExposureError, check_host
 
+    try:
+        warning = check_host(args.host, args.allow_remote)
+    except ExposureError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.no_render:
+        return _run(args, None)
     engines = Path(args.engines)
     if not (engines / "manifest.json").exists():
         print(f"error: no engines in {engines}: run `make engines` first", file=sys.stderr)
         return 2
-    settings = dict(
-        num_slots=args.slots,
-        max_len=args.max_len,
-        threads=args.threads,
-        max_new_tokens=args.max_new_tokens,
-        default_mode=args.default_mode,
-        max_queue=args.max_queue,
-        prefill_budget=args.prefill_budget,
-        sps_path=str(Path(args.sps).resolve()) if Path(args.sps).exists() else "",
-    )
-    repo, tdir = Path(args.repository), target_dir(args.target)
-    if args.render_only:
-        try:
-            models = render(args.profile, repo, engines, tdir, **settings)
-            validate(repo, require_files=args.profile == "cpu")
-        except RenderError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(f"[serve] rendered {args.profile} repository {repo}: {', '.join(models)}")
-        return 0
-    stop = threading.Event()
-    ports = (args.http_port, args.grpc_port, args.metrics_port)
+    from dspark.models.loading import target_dir
+
+    tdir = target_dir(args.target)
     try:
-        with serving_session(
-            engines, repo, tdir, args.profile, ports=ports, host=args.host, **settings
-        ) as server:
-            print(
-                f"[serve] {args.profile} repository {repo}: {', '.join(server.models)}; ready: gRPC "
-                f"{args.host}:{args.grpc_port}, HTTP {args.host}:{args.http_port}, metrics "
-                f"{args.host}:{args.metrics_port}/metrics (log {server.log_path}); Ctrl-C stops it",
-                flush=True,
-            )
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: stop.set())
-            while not stop.is_set() and server.alive():
-                stop.wait(0.5)
-    except (RenderError, ServerError) as e:
+        models = render(
+            args.profile,
+            Path(args.repository),
+            engines,
+            tdir,
+            num_slots=args.slots,
+            max_len=args.max_len,
+            threads=args.threads,
+            max_new_tokens=args.max_new_tokens,
+            default_mode=args.default_mode,
+            max_queue=args.max_queue,
+            prefill_budget=args.prefill_budget,
+            sps_path=str(Path(args.sps).resolve()) if Path(args.sps).exists() else "",
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_chars=args.max_stop_chars,
+            max_request_bytes=args.max_request_bytes,
+        )
+        validate(Path(args.repository), require_files=args.profile == "cpu")
+    except RenderError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, RenderError) else 1
+        return 2
+    print(f"[serve] rendered {args.profile} repository {args.repository}: {', '.join(models)}")
+    if args.render_only:
+        return 0
+    return _run(args, models)
+
+
+def _run(args: argparse.Namespace, models: list[str] | None) -> int:
+    from dspark.model_repository.render import RenderError, validate
+    from dspark.serving.launcher import Server, ServerError
+
+    if models is None:  # --no-render: the repository as it is
+        try:
+            models = sorted(validate(Path(args.repository), require_files=args.profile == "cpu"))
+        except (RenderError, OSError) as e:
+            print(f"error: {args.repository}: {e}", file=sys.stderr)
+            return 2
+    server = Server(
+        Path(args.repository).resolve(),
+        models,
+        args.http_port,
+        args.grpc_port,
+        args.metrics_port,
+        host=args.host,
+        exit_timeout=args.exit_timeout,
+        binary=Path(args.tritonserver) if args.tritonserver else None,
+        backend_directory=Path(args.backend_directory) if args.backend_directory else None,
+    )
+    try:
+        server.start()
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"[serve] ready: gRPC {args.host}:{args.grpc_port}, HTTP {args.host}:{args.http_port}, metrics "
+        f"{args.host}:{args.metrics_port}/metrics (log {server.log_path}); Ctrl-C stops it",
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    from dspark.serving.supervisor import Supervisor
+
+    supervisor = None if args.no_supervise else Supervisor(server, log=lambda m: print(m, flush=True))
+    while not stop.is_set() and server.alive():
+        stop.wait(1.0)
+        if supervisor is not None and not stop.is_set():
+            try:
+                supervisor.check()
+            except (OSError, ServerError) as e:
+                print(f"error: could not repair the server: {e}", file=sys.stderr)
+                server.stop()
+                return 1
+    if stop.is_set() and server.alive():
+        from dspark.serving.supervisor import drain
+
+        drain(server, args.exit_timeout, log=lambda m: print(m, flush=True))
+    code = server.stop()
     if not stop.is_set():
-        code = server.proc.returncode if server.proc else None
         print(f"error: tritonserver exited on its own (code {code}):\n{server.log_tail()}", file=sys.stderr)
         return 1
     print("[serve] stopped")

@@ -55,6 +55,10 @@ def render(
     max_queue: int = 64,
     drafter_retry_s: float = 10.0,
     prefill_budget: int = 2048,
+    max_prompt_tokens: int = 0,
+    max_stop_strings: int = 8,
+    max_stop_chars: int = 128,
+    max_request_bytes: int = 1 << 20,
 ) -> list[str]:
     """Write the repository; returns the model names (load them all)."""
     if profile not in PROFILES:
@@ -75,6 +79,10 @@ def render(
         "max_queue": str(max_queue),
         "drafter_retry_s": str(drafter_retry_s),
         "prefill_budget": str(prefill_budget),
+        "max_prompt_tokens": str(max_prompt_tokens),
+        "max_stop_strings": str(max_stop_strings),
+        "max_stop_chars": str(max_stop_chars),
+        "max_request_bytes": str(max_request_bytes),
     }
     models = ["target", "dspark"]
     meta_path = engines_dir / "drafter_meta.json"

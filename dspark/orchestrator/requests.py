@@ -33,6 +33,35 @@ class Limits:
     max_new_tokens: int
     stop_ids: frozenset[int]
     default_mode: str = "dspark"
+    # per-request caps (issue 16); 0 = no cap beyond the context limit
+    max_prompt_tokens: int = 0
+    max_stop_strings: int = 8
+    max_stop_chars: int = 128  # characters per stop string
+    max_request_bytes: int = 1 << 20  # all input tensors together
+
+
+def request_bytes(inputs: dict) -> int:
+    """The size of a request's inputs as sent: raw bytes of numeric tensors, string lengths."""
+    total = 0
+    for v in inputs.values():
+        x = np.asarray(v)
+        if x.dtype == np.object_ or x.dtype.kind in "SU":
+            total += sum(len(e) if isinstance(e, bytes | str | np.bytes_) else 8 for e in x.reshape(-1))
+        else:
+            total += x.nbytes
+    return total
+
+
+def check_stop(stop: list[str], limits: Limits) -> list[str]:
+    if len(stop) > limits.max_stop_strings:
+        raise RequestError(f"stop: at most {limits.max_stop_strings} stop strings, got {len(stop)}")
+    for s in stop:
+        if len(s) > limits.max_stop_chars:
+            raise RequestError(
+                f"stop: each stop string must be at most {limits.max_stop_chars} characters, "
+                f"got one of {len(s)}"
+            )
+    return stop
 
 
 def _scalar(inputs: dict, name: str, kind: type, default):
@@ -83,6 +112,11 @@ def wants_stream(inputs: dict) -> bool:
 
 def parse(inputs: dict, limits: Limits, chat_ids) -> tuple[Request, str, list[str]]:
     """(Request, mode, stop strings). `chat_ids(text)` applies the chat template."""
+    size = request_bytes(inputs)
+    if limits.max_request_bytes and size > limits.max_request_bytes:
+        raise RequestError(
+            f"request body: {size} bytes of inputs exceed the limit of {limits.max_request_bytes} bytes"
+        )
     text = _scalar(inputs, "text_input", str, None)
     if text is not None and "input_ids" in inputs:
         raise RequestError("give either text_input or input_ids, not both")
@@ -102,6 +136,10 @@ def parse(inputs: dict, limits: Limits, chat_ids) -> tuple[Request, str, list[st
             raise RequestError(f"input_ids must be in [0, {limits.vocab_size}): got {bad[0]}")
     else:
         raise RequestError("missing input: give text_input (a prompt) or input_ids (token ids)")
+    if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
+        raise RequestError(
+            f"prompt: {len(ids)} tokens exceed the limit of {limits.max_prompt_tokens} prompt tokens"
+        )
     room = limits.max_context - len(ids)
     if room < 1:
         raise RequestError(
@@ -131,4 +169,4 @@ def parse(inputs: dict, limits: Limits, chat_ids) -> tuple[Request, str, list[st
     except ValueError as e:
         raise RequestError(str(e)) from None
     req = Request(ids, max_tokens=max_tokens, params=params, stop_ids=limits.stop_ids)
-    return req, mode, _strings(inputs, "stop")
+    return req, mode, check_stop(_strings(inputs, "stop"), limits)

@@ -5,7 +5,8 @@ Parameters (rendered into every config.pbtxt by orchestrator/repository.py):
   num_slots, max_len, threads, runtime (onnxruntime | tensorrt), and for `dspark`:
   max_active, max_queue (requests waiting for a slot before new ones get a "busy" error),
   prefill_budget (prompt tokens admitted per step; 0 = no limit),
-  max_new_tokens, default_mode, drafter_retry_s (seconds before new requests try a failed
+  max_new_tokens, max_prompt_tokens, max_stop_strings, max_stop_chars, max_request_bytes (per-request
+  caps, issue 16), default_mode, drafter_retry_s (seconds before new requests try a failed
   drafter again), sps_path (a `dspark sps` table; empty or missing = measure a quick one at
   startup through the target's probe entry, said in the log and in metric dspark_sps_table).
 """
@@ -107,6 +108,10 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
         max_new_tokens=int(params.get("max_new_tokens", 1024)),
         stop_ids=frozenset(cfg.eos_token_ids),
         default_mode=params.get("default_mode", "dspark") if drafter is not None else "off",
+        max_prompt_tokens=int(params.get("max_prompt_tokens", 0)),
+        max_stop_strings=int(params.get("max_stop_strings", 8)),
+        max_stop_chars=int(params.get("max_stop_chars", 128)),
+        max_request_bytes=int(params.get("max_request_bytes", 1 << 20)),
     )
     on_start = (lambda: _quick_sps(batcher, call)) if sps is None else None
     return Orchestrator(batcher, limits, chat_ids, decode, bls_time=bls_time, on_start=on_start)

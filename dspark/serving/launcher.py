@@ -90,6 +90,10 @@ class Server:
     exit_timeout: int = 5
     extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
+    # another tritonserver (e.g. /opt/tritonserver/bin/tritonserver in NVIDIA's image, which has the
+    # TensorRT backend) and its backends folder; default: the pip wheel's, assembled by backends_dir
+    binary: Path | None = None
+    backend_directory: Path | None = None
 
     @classmethod
     def on_free_ports(cls, repository: Path, models: list[str], log_path: Path | None = None) -> Server:
@@ -97,11 +101,11 @@ class Server:
         return cls(Path(repository), models, free_port(), free_port(), free_port(), log_path=log_path)
 
     def command(self) -> list[str]:
-        root = pytriton_root()
+        binary = self.binary or pytriton_root() / "bin" / "tritonserver"
         cmd = [
-            str(root / "bin" / "tritonserver"),
+            str(binary),
             f"--model-repository={self.repository}",
-            f"--backend-directory={backends_dir()}",
+            f"--backend-directory={self.backend_directory or backends_dir()}",
             f"--http-address={self.host}",
             f"--grpc-address={self.host}",
             f"--metrics-address={self.host}",
@@ -120,8 +124,9 @@ class Server:
         env = dict(os.environ)
         venv_bin = str(Path(sys.executable).parent)
         env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
-        libs = pytriton_root().parent.parent / "nvidia_pytriton.libs"
-        env["LD_LIBRARY_PATH"] = str(libs) + os.pathsep + env.get("LD_LIBRARY_PATH", "")
+        if self.binary is None:
+            libs = pytriton_root().parent.parent / "nvidia_pytriton.libs"
+            env["LD_LIBRARY_PATH"] = str(libs) + os.pathsep + env.get("LD_LIBRARY_PATH", "")
         env["PYTHONUNBUFFERED"] = "1"
         # the python-backend stubs are separate processes taking turns on the same cores (BLS is
         # synchronous): OpenMP threads must sleep, not spin, when their process waits
@@ -140,7 +145,7 @@ class Server:
                 )
         self.log_path = self.log_path or (REPO / "build" / "logs" / f"tritonserver-{self.http_port}.log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("wb")
+        log = self.log_path.open("ab")  # a restart (supervisor) appends
         self.proc = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
         )

@@ -18,6 +18,7 @@ ORDER = [
     "orchestrator",
     "serving",
     "perf",
+    "deploy",
     "cli",
 ]
 

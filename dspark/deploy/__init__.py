@@ -1,0 +1,1 @@
+"""Kubernetes / KServe manifests for serving the rendered Triton repository (`dspark deploy`)."""
