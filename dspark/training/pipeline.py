@@ -77,9 +77,32 @@ def load_drafter(name_or_path: str, loaded: LoadedTarget):
         model = Eagle3Drafter.load(path)
     else:
         model = BlockDrafter.load(path)
+    match_target(model, loaded, path)
     model.attach(loaded.model.model.embed_tokens.weight, loaded.model.lm_head.weight)
     sts = STS.from_dict(meta["sts"]) if meta.get("sts") else None
     return model, sts
+
+
+def match_target(model, loaded: LoadedTarget, where) -> None:
+    """Point the target's feature taps at the layers the drafter was trained on (imported
+    drafters record them: DeepSpec's target_layer_ids), and refuse a target that does not fit."""
+    from dspark.models.loading import retap
+
+    t, c = loaded.model.cfg, model.cfg
+    if getattr(c, "feature_layers", None) is not None:
+        retap(loaded.model, c.feature_layers)
+        t = loaded.model.cfg
+    if t.feature_size != c.feature_size:
+        raise ValueError(
+            f"drafter {where} reads {c.feature_size} feature values per position, but target "
+            f"{loaded.name!r} taps layers {list(t.feature_layers)} ({t.feature_size} values): "
+            "not a drafter for this target"
+        )
+    if int(model.draft_vocab.max()) >= t.vocab_size:
+        raise ValueError(
+            f"drafter {where} drafts token ids up to {int(model.draft_vocab.max())}, beyond target "
+            f"{loaded.name!r}'s vocabulary of {t.vocab_size}"
+        )
 
 
 def runner_for(model, num_slots: int, max_len: int) -> Drafter:
