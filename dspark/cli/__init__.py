@@ -593,11 +593,13 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(fn=cmd_report)
 
     from dspark.cli.engines import add_parser as add_engines
+    from dspark.cli.importer import add_parser as add_import
     from dspark.cli.serve import add_parsers as add_serving
     from dspark.perf.bench import add_parser as add_bench
     from dspark.perf.sps import add_parser as add_sps
 
     add_engines(sub)
+    add_import(sub)
     add_serving(sub)
     add_sps(sub)
     add_bench(sub)
