@@ -201,16 +201,25 @@ def _rope_theta(cfg: dict, where: Path) -> float:
 
 
 def _detect(cfg: dict, keys: set[str], where: Path) -> tuple[str, str, str]:
-    """(source, kind, architecture) from architectures[0], then from the keys."""
+    """(source, kind, architecture) from architectures[0]; from config keys and tensor names
+    only when config.json names no architecture."""
     arch = (cfg.get("architectures") or [""])[0]
-    if arch == "Qwen3Eagle3Model" or (not arch and "layers.0.hidden_norm.weight" in keys):
+    midlayer = "d2t" in keys or any(k.startswith("midlayer.") for k in keys)
+    if arch:
+        eagle = "Eagle3" in arch or "Eagle" in arch
+        dspark, dflash = "DSpark" in arch, "DFlash" in arch
+    else:
+        eagle = midlayer or "layers.0.hidden_norm.weight" in keys
+        dspark = "markov_rank" in cfg
+        dflash = "dflash_config" in cfg or ("fc.weight" in keys and "hidden_norm.weight" in keys)
+    if eagle:
+        if midlayer:
+            return "vllm", "eagle3", arch or "LlamaForCausalLMEagle3"
         return "deepspec", "eagle3", arch or "Qwen3Eagle3Model"
-    if "Eagle3" in arch or "d2t" in keys or any(k.startswith("midlayer.") for k in keys):
-        return "vllm", "eagle3", arch or "LlamaForCausalLMEagle3"
-    if arch == "Qwen3DSparkModel" or "DSpark" in arch or "markov_rank" in cfg:
+    if dspark:
         rank = int(cfg.get("markov_rank") or 0)
         return "deepspec", "dspark" if rank > 0 else "dflash", arch or "Qwen3DSparkModel"
-    if "DFlash" in arch or "dflash_config" in cfg or ("fc.weight" in keys and "hidden_norm.weight" in keys):
+    if dflash:
         return "z-lab", "dflash", arch or "DFlashDraftModel"
     raise CheckpointError(
         f"{where}: architecture {arch or '(none)'!r} is not a drafter this importer knows: supported are "
