@@ -76,8 +76,11 @@ class DrafterConfig:
     attention_bias: bool = False  # q/k/v biases
     attention_out_bias: bool = False  # o_proj bias
     feature_layers: tuple[int, ...] | None = None  # target taps it was trained on (None: the target's)
+    rope_scaling: tuple[float, ...] | None = None  # Llama-3.1 RoPE (see dspark.models.target)
 
     def __post_init__(self) -> None:
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", tuple(float(x) for x in self.rope_scaling))
         if self.feature_layers is not None:
             object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
             if len(self.feature_layers) * self.hidden_size != self.feature_size:
@@ -222,7 +225,9 @@ class BlockDrafter(DraftModelMixin, nn.Module):
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor):
         """Per-layer context keys/values for projected context c [R, T, d] at positions [R, T]."""
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, c.dtype)
+        cos, sin = rope_cos_sin(
+            positions, self.cfg.head_dim, self.cfg.rope_theta, c.dtype, self.cfg.rope_scaling
+        )
         return [layer.context_kv(c, cos, sin) for layer in self.layers]
 
     def backbone(self, anchors: torch.Tensor, p0: torch.Tensor, ctx_kv, ctx_ok: torch.Tensor, extra=None):
@@ -237,7 +242,7 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         x = self.mask_embed.expand(B, G, -1).clone()
         x[:, 0] = self.embed[anchors]
         pos = p0.unsqueeze(1) + torch.arange(G)
-        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype, self.cfg.rope_scaling)
         for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
             x = layer(x, cos, sin, k, v, ctx_ok, extra[i] if extra is not None else None)
         h = self.norm(x)

@@ -90,8 +90,11 @@ class Eagle3Config:
     attention_out_bias: bool = False  # o_proj bias
     own_lm_head: bool = False  # the checkpoint's own LM head over its draft vocabulary
     feature_layers: tuple[int, ...] | None = None  # target taps it was trained on (None: the target's)
+    rope_scaling: tuple[float, ...] | None = None  # Llama-3.1 RoPE (see dspark.models.target)
 
     def __post_init__(self) -> None:
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", tuple(float(x) for x in self.rope_scaling))
         if self.kind != "eagle3":
             raise ValueError(f"Eagle3Config.kind must be 'eagle3', got {self.kind!r}")
         if self.layout not in ("dspark", "upstream"):
@@ -261,7 +264,7 @@ class Eagle3Drafter(DraftModelMixin, nn.Module):
         return x if self.upstream else self.norm(x)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype, self.cfg.rope_scaling)
 
     def logits(self, o: torch.Tensor) -> torch.Tensor:
         return (self.norm(o) if self.upstream else o) @ self.lm_head.T

@@ -74,6 +74,7 @@ class Upstream:
     head_dim: int
     rms_eps: float
     rope_theta: float
+    rope_scaling: tuple[float, ...] | None
     qk_norm: bool
     attention_bias: bool
     attention_out_bias: bool
@@ -105,7 +106,8 @@ class Upstream:
             f"layers       {self.num_layers} draft layer(s): hidden {self.hidden_size}, "
             f"MLP {self.intermediate_size}, "
             f"heads {self.num_heads}/{self.num_kv_heads} kv × {self.head_dim}, eps {self.rms_eps:g}, "
-            f"rope θ {self.rope_theta:g}, qk-norm {'yes' if self.qk_norm else 'no'}, "
+            f"rope θ {self.rope_theta:g}{' llama3-scaled' if self.rope_scaling else ''}, "
+            f"qk-norm {'yes' if self.qk_norm else 'no'}, "
             f"bias {'q/k/v' if self.attention_bias else 'none'}{' + o' if self.attention_out_bias else ''}",
             "heads        "
             + (f"Markov {self.markov} rank {self.markov_rank}" if self.markov else "no Markov head")
@@ -190,14 +192,13 @@ def _get(cfg: dict, *names, default=KeyError):
     return default
 
 
-def _rope_theta(cfg: dict, where: Path) -> float:
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rtype not in ("default", None):
-        raise CheckpointError(f"{where}: rope type {rtype!r} is not supported (default RoPE only)")
-    return float(
-        (rope.get("rope_theta") if isinstance(rope, dict) else None) or cfg.get("rope_theta") or 10000.0
-    )
+def _rope(cfg: dict) -> tuple[float, tuple[float, ...] | None]:
+    from dspark.models.target import parse_rope
+
+    try:
+        return parse_rope(cfg.get("rope_parameters") or cfg.get("rope_scaling"), cfg.get("rope_theta"))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _detect(cfg: dict, keys: set[str], where: Path) -> tuple[str, str, str]:
@@ -225,6 +226,13 @@ def _detect(cfg: dict, keys: set[str], where: Path) -> tuple[str, str, str]:
         f"{where}: architecture {arch or '(none)'!r} is not a drafter this importer knows: supported are "
         + ", ".join(f"{a} ({w})" for a, w in ARCHITECTURES.items())
     )
+
+
+def zlab_default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 3 - 1
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
 def inspect(path: Path | str) -> Upstream:
@@ -265,6 +273,12 @@ def _inspect(path, cfg, shapes, dtypes, keymap, source, kind, arch) -> Upstream:
     if kind == "eagle3" and n_layers != 1:
         raise CheckpointError(f"an EAGLE-3 drafter with {n_layers} layers is not supported (exactly 1)")
     ids = _get(cfg, "target_layer_ids", "eagle_aux_hidden_state_layer_ids", default=None)
+    ntl = cfg.get("num_target_layers")
+    if ids is None and source == "z-lab" and ntl:
+        # z-lab's rule when the config names none: one tap per draft layer, the middle layer for
+        # a single draft layer, else evenly spaced from layer 1 to L - 3 (rounded)
+        ids = zlab_default_layer_ids(int(ntl), n_layers)
+        notes.append(f"no target_layer_ids in config.json: z-lab's default for {ntl} target layers")
     if ids is None:
         raise CheckpointError(
             "config.json has no target_layer_ids (dflash_config.target_layer_ids, "
@@ -319,7 +333,6 @@ def _inspect(path, cfg, shapes, dtypes, keymap, source, kind, arch) -> Upstream:
         Vd = int(cfg.get("draft_vocab_size") or shapes["lm_head.weight"][0])
     else:
         Vd = V
-    ntl = cfg.get("num_target_layers")
     dtype_name = dtypes.get("fc.weight") or next(iter(dtypes.values()))
     if dtype_name not in DTYPES:
         raise CheckpointError(f"weights of dtype {dtype_name} are not supported ({list(DTYPES)})")
@@ -353,7 +366,8 @@ def _inspect(path, cfg, shapes, dtypes, keymap, source, kind, arch) -> Upstream:
         num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
         head_dim=int(_get(cfg, "head_dim", default=H // heads)),
         rms_eps=float(_get(cfg, "rms_norm_eps", default=1e-6)),
-        rope_theta=_rope_theta(cfg, path),
+        rope_theta=_rope(cfg)[0],
+        rope_scaling=_rope(cfg)[1],
         qk_norm=qk_norm,
         attention_bias=bias or model_type == "qwen2",
         attention_out_bias=bias and model_type != "qwen2",
@@ -381,6 +395,7 @@ def _our_model(up: Upstream):
         feature_size=len(up.layer_ids) * up.hidden_size,
         rms_eps=up.rms_eps,
         rope_theta=up.rope_theta,
+        rope_scaling=up.rope_scaling,
         block_size=up.block_size,
         num_layers=up.num_layers,
         qk_norm=up.qk_norm,
@@ -481,9 +496,11 @@ def _same(name: str, a: torch.Tensor, b: torch.Tensor, where: Path) -> None:
             f"{where}: {name} has shape {list(a.shape)} but the target's has {list(b.shape)}: "
             "this drafter was made for another target"
         )
-    d = float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
-    scale = float(b.float().abs().max()) if b.numel() else 1.0
-    if d > 1e-2 * max(scale, 1e-6):
+    d, scale = 0.0, 1e-6
+    for i in range(0, a.shape[0], 8192):  # in row chunks: a 152k × 4k table needs no full fp32 copies
+        x, y = a[i : i + 8192].float(), b[i : i + 8192].float()
+        d, scale = max(d, float((x - y).abs().max())), max(scale, float(y.abs().max()))
+    if d > 1e-2 * scale:
         raise CheckpointError(
             f"{where}: {name} differs from the target's (max |Δ| {d:.3g}): this drafter was trained "
             "against another target (or unfroze its embedding / LM head, which our format shares with "

@@ -17,6 +17,7 @@ convention: its layer id i is HF hidden_states[i + 1], so -1 is hidden_states[0]
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -49,8 +50,11 @@ class TargetConfig:
     qk_norm: bool = False  # RMSNorm over head_dim on every query/key head before RoPE (Qwen3)
     attention_bias: bool = False  # bias on q/k/v (Qwen2; Llama/Qwen3 with attention_bias)
     attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 with attention_bias)
+    rope_scaling: tuple[float, ...] | None = None  # Llama-3.1 RoPE: (factor, low, high, original max pos)
 
     def __post_init__(self) -> None:
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", tuple(float(x) for x in self.rope_scaling))
         if self.family not in FAMILIES:
             raise ValueError(
                 f"target family {self.family!r} is not supported: supported are {list(FAMILIES)}"
@@ -97,16 +101,10 @@ class TargetConfig:
         if act != "silu":
             raise ValueError(f"{family}: hidden_act {act!r} is not supported (silu only)")
         bias = bool(getattr(hf, "attention_bias", False))
-        rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-        rope_type = (
-            rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        theta, scaling = parse_rope(
+            getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None),
+            getattr(hf, "rope_theta", None),
         )
-        if rope_type not in ("default", None):
-            raise ValueError(
-                f"rope type {rope_type!r} is not supported by dspark.models.target (only default RoPE)"
-            )
-        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-        theta = theta or getattr(hf, "rope_theta", 10000.0)
         eos = getattr(hf, "eos_token_id", None)
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         heads = hf.num_attention_heads
@@ -119,7 +117,8 @@ class TargetConfig:
             num_kv_heads=hf.num_key_value_heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             rms_eps=hf.rms_norm_eps,
-            rope_theta=float(theta),
+            rope_theta=theta,
+            rope_scaling=scaling,
             tie_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
             feature_layers=tuple(feature_layers),
             bos_token_id=getattr(hf, "bos_token_id", None),
@@ -144,9 +143,48 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin [R, N, head_dim] for integer positions [R, N] (Llama's half-rotation layout)."""
+def parse_rope(rope, theta=None) -> tuple[float, tuple[float, ...] | None]:
+    """(θ, scaling) from an HF config's rope_parameters / rope_scaling dict: the default RoPE, or
+    Llama-3.1's frequency rescaling ("llama3"); any other type is refused."""
+    rope = rope if isinstance(rope, dict) else {}
+    rtype = rope.get("rope_type", rope.get("type", "default")) or "default"
+    theta = float(rope.get("rope_theta") or theta or 10000.0)
+    if rtype == "default":
+        return theta, None
+    if rtype == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in keys if k not in rope]
+        if missing:
+            raise ValueError(f"llama3 RoPE parameters lack {missing}")
+        return theta, tuple(float(rope[k]) for k in keys)
+    raise ValueError(f"rope type {rtype!r} is not supported (default and llama3 RoPE only)")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple[float, ...] | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] (float64). With Llama-3.1's scaling (factor, low, high,
+    original context): wavelengths longer than original/low are slowed down by `factor`, those
+    shorter than original/high are kept, and the band between interpolates linearly in
+    original/wavelength."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv
+    factor, low, high, original = scaling
+    wavelen = 2 * math.pi / inv
+    smooth = (original / wavelen - low) / (high - low)
+    band = (wavelen <= original / low) & (wavelen >= original / high)
+    scaled = torch.where(wavelen > original / low, inv / factor, inv)
+    return torch.where(band, (1 - smooth) * inv / factor + smooth * inv, scaled)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    scaling: tuple[float, ...] | None = None,
+):
+    """cos/sin [R, N, head_dim] for integer positions [R, N] (Llama's half-rotation layout)."""
+    inv = rope_inv_freq(head_dim, theta, scaling)
     ang = positions.double().unsqueeze(-1) * inv  # [R, N, D/2]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().to(dtype), ang.sin().to(dtype)
@@ -314,7 +352,9 @@ class LlamaTarget(nn.Module):
         causal = torch.ones(N, N, dtype=torch.bool).tril().unsqueeze(0) & valid.unsqueeze(1)
         mask = torch.cat([past_ok.expand(R, N, S), causal], dim=2).unsqueeze(1)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(
+            positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype, self.cfg.rope_scaling
+        )
         want = self.cfg.feature_layers
         taps, new_k, new_v = {-1: x} if -1 in want else {}, [], []
         for i, layer in enumerate(self.model.layers):

@@ -381,6 +381,10 @@ def test_z_lab_dflash_layout_nested_config_without_embedding_or_head(fixture, tm
     up = inspect(d)
     assert (up.source, up.kind, up.mask_token_id, up.layer_ids) == ("z-lab", "dflash", 500, (1, 3, 5, 7, 9))
     up, _ = import_drafter(d, fixture / "target", tmp_path / "out")
+    bare = dict(cfg, dflash_config={"mask_token_id": 500})  # no layer ids: z-lab's default rule
+    (d / "config.json").write_text(json.dumps(bare))
+    with pytest.raises(CheckpointError, match=r"fc\.weight has shape \(64, 320\), but 2 target layers"):
+        inspect(d)  # two draft layers → taps [1, 9] by the rule, which this fc does not read
     loaded = load_target(str(fixture / "target"))
     model, _ = load_drafter(str(tmp_path / "out"), loaded)
     rows = verify(REF, loaded.model, {"dflash": Drafter(model, 500)}, log=None)

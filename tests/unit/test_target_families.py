@@ -86,6 +86,35 @@ def test_each_family_equals_transformers(family, kw):
     assert (feats - torch.cat([hs[3], hs[0], hs[1]], dim=-1)).abs().max() < TOL
 
 
+def test_llama31_rope_scaling_equals_transformers():
+    """Llama-3.1's RoPE (rope_type llama3): every frequency band (kept, interpolated, slowed)."""
+    import transformers as tf
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 512,  # with head_dim 8: one wavelength in each band
+    }
+    torch.manual_seed(0)
+    hf = tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON, rope_parameters=rope)).eval()
+    cfg = TargetConfig.from_hf(hf.config, feature_layers=(1,))
+    assert cfg.rope_scaling == (8.0, 1.0, 4.0, 512.0) and cfg.rope_theta == 500000.0
+    assert TargetConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    ours = LlamaTarget(cfg)
+    ours.load_state_dict(hf.state_dict())
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        r = TargetRunner(ours.eval(), 1, 64)
+        got = r.step([r.allocate()], ids.tolist()).logits
+    assert (got - ref).abs().max() < TOL
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        TargetConfig.from_hf(tf.LlamaConfig(**COMMON, rope_parameters={"rope_type": "yarn", "factor": 2.0}))
+
+
 def test_unsupported_families_and_settings_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]})
