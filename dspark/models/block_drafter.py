@@ -77,6 +77,10 @@ class DrafterConfig:
     attention_out_bias: bool = False  # o_proj bias
     feature_layers: tuple[int, ...] | None = None  # target taps it was trained on (None: the target's)
     rope_scaling: tuple[float, ...] | None = None  # Llama-3.1 RoPE (see dspark.models.target)
+    # z-lab DFlash: the block is [anchor, MASK × γ] and each MASK slot predicts the token at its
+    # own position (the anchor slot's output is dropped); ours and DeepSpec's: [anchor, MASK ×
+    # (γ−1)] with slot k predicting position p0 + k + 1. γ = block_size drafts either way.
+    predict_own_position: bool = False
 
     def __post_init__(self) -> None:
         if self.rope_scaling is not None:
@@ -237,7 +241,8 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         [B or 1, KV, S, D]; ctx_ok: [B, S] True where a context key may be attended (pos < p0);
         extra: optional per layer (k, v, ok), a second context segment (see DraftLayer.forward).
         """
-        G = self.cfg.block_size
+        own = self.cfg.predict_own_position
+        G = self.cfg.block_size + (1 if own else 0)  # block inputs
         B = anchors.shape[0]
         x = self.mask_embed.expand(B, G, -1).clone()
         x[:, 0] = self.embed[anchors]
@@ -245,7 +250,7 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype, self.cfg.rope_scaling)
         for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
             x = layer(x, cos, sin, k, v, ctx_ok, extra[i] if extra is not None else None)
-        h = self.norm(x)
+        h = self.norm(x[:, 1:] if own else x)  # z-lab: the anchor slot's output is not a draft
         return h @ self.lm_head.T, h
 
     # -- sequential stage --------------------------------------------------------------------

@@ -251,12 +251,13 @@ class Verifier:
         if name == "context_projected":
             with torch.no_grad():
                 return m.project_context(self._features(m.cfg.feature_layers or self._layers()))
+        n_in = G + 1 if m.cfg.predict_own_position else G  # block inputs (z-lab: anchor + γ MASKs)
         if name == "block_input_ids":
             if d.mask_token_id is None:
                 raise ValueError("the drafter records no upstream mask_token_id")
-            return torch.tensor([[self.ids[a]] + [d.mask_token_id] * (G - 1) for a in anchors])
+            return torch.tensor([[self.ids[a]] + [d.mask_token_id] * (n_in - 1) for a in anchors])
         if name == "block_position_ids":
-            return torch.tensor([[a + k for k in range(G)] for a in anchors])
+            return torch.tensor([[a + k for k in range(n_in)] for a in anchors])
         if name == "tf_tokens":
             return torch.tensor([self.ids[a + 1 : a + G + 1] for a in anchors])
         if name == "tf_prev_tokens":

@@ -7,7 +7,10 @@ Supported upstream layouts (a directory with config.json and *.safetensors):
             `Qwen3Eagle3Model`. Keys are bare module paths (no `model.` prefix).
   z-lab     z-lab's DFlash drafters (`DFlashDraftModel`): the DSpark backbone without heads,
             mask token and layer ids under a nested `dflash_config`; no embedding / LM head
-            in the file (they are the target's).
+            in the file (they are the target's). Its block of `block_size` inputs is [anchor,
+            MASK…] whose MASK slots predict their own positions (block_size − 1 drafts), where
+            DeepSpec's slot k predicts position p0 + k + 1 (block_size drafts): the
+            `predict_own_position` flag of BlockDrafter.
   vllm      the vLLM / SGLang EAGLE-3 layout (`LlamaForCausalLMEagle3`): `midlayer.*`, its own
             LM head over a draft vocabulary mapped to target ids by `d2t`.
 
@@ -302,6 +305,14 @@ def _inspect(path, cfg, shapes, dtypes, keymap, source, kind, arch) -> Upstream:
         if not 0 <= mask < V:
             raise CheckpointError(f"mask_token_id {mask} is outside the vocabulary of {V}")
         block = int(_get(cfg, "block_size"))
+        if source == "z-lab":  # z-lab's block_size counts the anchor slot, which drafts nothing
+            block -= 1
+            notes.append(
+                f"z-lab block of {block + 1} = anchor + {block} MASK slots, each predicting its own "
+                "position: mapped from z-lab's published code, not checked against upstream outputs"
+            )
+        if block < 1:
+            raise CheckpointError(f"block_size gives {block} draft tokens per round")
         rank = int(cfg.get("markov_rank") or 0)
         if rank > 0:
             markov = cfg.get("markov_head_type")
@@ -424,6 +435,7 @@ def _our_model(up: Upstream):
         markov_rank=up.markov_rank if up.markov else 0,
         confidence=up.confidence,
         confidence_with_markov=up.confidence_with_markov if up.confidence else True,
+        predict_own_position=up.source == "z-lab",
         **common,
     )
     return BlockDrafter(cfg, vocab)
