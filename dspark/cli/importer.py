@@ -40,6 +40,12 @@ def add_parser(sub) -> None:
         "--check", action="store_true", help="print what was found (and target fit); write nothing"
     )
     p.add_argument("--verify", default=None, metavar="REFERENCE", help="reference.safetensors to recompute")
+    p.add_argument(
+        "--layer-ids",
+        default=None,
+        help="target layer ids to tap, comma-separated (raw decoder-layer outputs, -1 = embeddings): "
+        "overrides config.json",
+    )
     p.add_argument("--atol", type=float, default=1e-4, help="--verify tolerance on float arrays (fp32)")
     p.add_argument("--threads", type=int, default=2)
     p.set_defaults(fn=run)
@@ -80,7 +86,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         dirs = _drafter_dirs(root)
-        ups = [inspect(d) for d in dirs]
+        ids = None
+        if args.layer_ids:
+            try:
+                ids = [int(x) for x in args.layer_ids.split(",") if x.strip()]
+            except ValueError:
+                raise ValueError(
+                    f"--layer-ids wants integers like 1,9,17,25,33, got {args.layer_ids!r}"
+                ) from None
+        ups = [inspect(d, ids) for d in dirs]
         for up in ups:
             if args.source != "auto" and up.source != args.source:
                 raise CheckpointError(
@@ -109,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                 out = Path("artifacts/imported") / (up.path.name if len(ups) == 1 else up.kind)
             else:
                 out = Path(args.out) if len(ups) == 1 else Path(args.out) / up.kind
-            import_drafter(up.path, Path(args.target), out)
+            import_drafter(up.path, Path(args.target), out, ids)
             outs[up.kind] = out
             print(f"[import] {up.path} → {out} ({up.kind}, {str(up.dtype).removeprefix('torch.')})")
         for kind, out in outs.items():

@@ -238,7 +238,7 @@ def zlab_default_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
-def inspect(path: Path | str) -> Upstream:
+def inspect(path: Path | str, layer_ids=None) -> Upstream:
     """Read config.json and the tensor headers of an upstream drafter directory (no weights)."""
     path = Path(path)
     if not (path / "config.json").exists():
@@ -248,6 +248,13 @@ def inspect(path: Path | str) -> Upstream:
     keys = set(shapes)
     source, kind, arch = _detect(cfg, keys, path)
     try:
+        if layer_ids is not None:  # the user's override of the config's target layer ids
+            cfg = {
+                **cfg,
+                "target_layer_ids": [int(i) for i in layer_ids],
+                "dflash_config": {},
+                "eagle_config": {},
+            }
         return _inspect(path, cfg, shapes, dtypes, keymap, source, kind, arch)
     except CheckpointError as e:
         msg = str(e)
@@ -632,9 +639,9 @@ def target_head_tensors(target_dir: Path) -> tuple:
     return cfg, embed, head
 
 
-def import_drafter(drafter_dir: Path, target_dir: Path, out: Path) -> tuple[Upstream, object]:
+def import_drafter(drafter_dir: Path, target_dir: Path, out: Path, layer_ids=None) -> tuple[Upstream, object]:
     """Convert an upstream drafter for `target_dir` and write our checkpoint to `out`."""
-    up = inspect(drafter_dir)
+    up = inspect(drafter_dir, layer_ids)
     tcfg, embed, head = target_head_tensors(target_dir)
     model = convert(up, embed, head, tcfg)
     model.save(Path(out), extra={"imported": imported_meta(up)}, dtype=up.dtype)
