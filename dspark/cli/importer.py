@@ -43,7 +43,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--layer-ids",
         default=None,
-        help="target layer ids to tap, comma-separated (raw decoder-layer outputs, -1 = embeddings): "
+        help="target layer ids to tap, comma-separated (raw decoder-layer outputs; -1 = embeddings, write "
+        "--layer-ids=-1,...): "
         "overrides config.json",
     )
     p.add_argument("--atol", type=float, default=1e-4, help="--verify tolerance on float arrays (fp32)")

@@ -82,7 +82,7 @@ def test_check_prints_what_it_found_and_writes_nothing(fixture, tmp_path, capsys
     assert not any(tmp_path.iterdir())
     assert main(["import", "--from", "vllm", str(fixture / "dspark"), "--check"]) == 2
     assert "not --from vllm" in capsys.readouterr().err
-    assert main(["import", "--check", str(fixture / "dspark"), "--layer-ids", "-1,2,4,6,8"]) == 0
+    assert main(["import", "--check", str(fixture / "dspark"), "--layer-ids=-1,2,4,6,8"]) == 0
     assert "layer ids [-1, 2, 4, 6, 8]" in capsys.readouterr().out  # the override wins
     assert main(["import", "--check", str(fixture / "dspark"), "--layer-ids", "1,3"]) == 2
     assert "but 2 target layers" in capsys.readouterr().err
