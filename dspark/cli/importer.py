@@ -47,6 +47,9 @@ def add_parser(sub) -> None:
         "--layer-ids=-1,...): "
         "overrides config.json",
     )
+    p.add_argument(
+        "--mask-token-id", type=int, default=None, help="DSpark/DFlash MASK token id: overrides config.json"
+    )
     p.add_argument("--atol", type=float, default=1e-4, help="--verify tolerance on float arrays (fp32)")
     p.add_argument("--threads", type=int, default=2)
     p.set_defaults(fn=run)
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(
                     f"--layer-ids wants integers like 1,9,17,25,33, got {args.layer_ids!r}"
                 ) from None
-        ups = [inspect(d, ids) for d in dirs]
+        ups = [inspect(d, ids, args.mask_token_id) for d in dirs]
         for up in ups:
             if args.source != "auto" and up.source != args.source:
                 raise CheckpointError(
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                 out = Path("artifacts/imported") / (up.path.name if len(ups) == 1 else up.kind)
             else:
                 out = Path(args.out) if len(ups) == 1 else Path(args.out) / up.kind
-            import_drafter(up.path, Path(args.target), out, ids)
+            import_drafter(up.path, Path(args.target), out, ids, args.mask_token_id)
             outs[up.kind] = out
             print(f"[import] {up.path} → {out} ({up.kind}, {str(up.dtype).removeprefix('torch.')})")
         for kind, out in outs.items():

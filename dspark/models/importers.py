@@ -238,7 +238,7 @@ def zlab_default_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
-def inspect(path: Path | str, layer_ids=None) -> Upstream:
+def inspect(path: Path | str, layer_ids=None, mask_token_id: int | None = None) -> Upstream:
     """Read config.json and the tensor headers of an upstream drafter directory (no weights)."""
     path = Path(path)
     if not (path / "config.json").exists():
@@ -248,6 +248,8 @@ def inspect(path: Path | str, layer_ids=None) -> Upstream:
     keys = set(shapes)
     source, kind, arch = _detect(cfg, keys, path)
     try:
+        if mask_token_id is not None:  # the user's override (a config that names no mask token)
+            cfg = {**cfg, "mask_token_id": int(mask_token_id)}  # top-level keys win in _get
         if layer_ids is not None:  # the user's override of the config's target layer ids
             cfg = {
                 **cfg,
@@ -639,9 +641,11 @@ def target_head_tensors(target_dir: Path) -> tuple:
     return cfg, embed, head
 
 
-def import_drafter(drafter_dir: Path, target_dir: Path, out: Path, layer_ids=None) -> tuple[Upstream, object]:
+def import_drafter(
+    drafter_dir: Path, target_dir: Path, out: Path, layer_ids=None, mask_token_id: int | None = None
+) -> tuple[Upstream, object]:
     """Convert an upstream drafter for `target_dir` and write our checkpoint to `out`."""
-    up = inspect(drafter_dir, layer_ids)
+    up = inspect(drafter_dir, layer_ids, mask_token_id)
     tcfg, embed, head = target_head_tensors(target_dir)
     model = convert(up, embed, head, tcfg)
     model.save(Path(out), extra={"imported": imported_meta(up)}, dtype=up.dtype)

@@ -86,6 +86,8 @@ def test_check_prints_what_it_found_and_writes_nothing(fixture, tmp_path, capsys
     assert "layer ids [-1, 2, 4, 6, 8]" in capsys.readouterr().out  # the override wins
     assert main(["import", "--check", str(fixture / "dspark"), "--layer-ids", "1,3"]) == 2
     assert "but 2 target layers" in capsys.readouterr().err
+    assert main(["import", "--check", str(fixture / "dflash"), "--mask-token-id", "511"]) == 0
+    assert "mask token id 511" in capsys.readouterr().out
 
 
 # -- corrupted checkpoints ----------------------------------------------------------------------
