@@ -56,7 +56,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     from dspark.models.loading import has_tokenizer, target_dir
 
-    tdir = target_dir(args.target)
+    tdir: Path | None = target_dir(args.target)
     if not has_tokenizer(tdir):
         print(f"[serve] {args.target} has no tokenizer: the server accepts input_ids only")
         tdir = None

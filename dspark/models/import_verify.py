@@ -22,6 +22,7 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -93,7 +94,7 @@ class Row:
 class Drafter:
     """An imported drafter to verify: the model and the upstream mask token id it maps."""
 
-    model: object
+    model: Any  # BlockDrafter | Eagle3Drafter, attached to the target
     mask_token_id: int | None = None
 
 
@@ -174,7 +175,7 @@ class Verifier:
         self.target = target  # a LlamaTarget
         self.drafters = drafters
         self.tol = tol
-        self.ids = self.ref["input_ids"].long().tolist() if "input_ids" in self.ref else None
+        self.ids: list[int] = self.ref["input_ids"].long().tolist() if "input_ids" in self.ref else []
         self._cache: dict = {}
 
     # -- helpers ------------------------------------------------------------------------------
@@ -419,7 +420,7 @@ class Verifier:
                 rows.append(Row(name, "input"))
             elif prefix != "target" and prefix not in self.drafters:
                 rows.append(Row(name, "skipped", note=f"no {prefix} drafter given"))
-            elif self.ids is None:
+            elif not self.ids:
                 rows.append(Row(name, "FAIL", note="the reference has no input_ids"))
             else:
                 try:

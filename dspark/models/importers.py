@@ -33,6 +33,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -157,7 +158,9 @@ def _headers(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str], di
         raise CheckpointError(
             f"{path}: no *.safetensors weights (only safetensors checkpoints are supported)"
         )
-    shapes, dtypes, keymap = {}, {}, {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    keymap: dict[str, str] = {}
     for f in files:
         with safe_open(str(f), "pt") as h:
             for k in h.keys():
@@ -406,7 +409,7 @@ def _inspect(path, cfg, shapes, dtypes, keymap, source, kind, arch) -> Upstream:
 
 def _our_model(up: Upstream):
     """Our (uninitialised) model for the upstream config, and its draft vocabulary."""
-    common = dict(
+    common: dict[str, Any] = dict(
         hidden_size=up.hidden_size,
         intermediate_size=up.intermediate_size,
         num_heads=up.num_heads,
@@ -427,14 +430,14 @@ def _our_model(up: Upstream):
     if up.kind == "eagle3":
         from dspark.models.eagle3 import Eagle3Config, Eagle3Drafter
 
-        cfg = Eagle3Config(
+        ecfg = Eagle3Config(
             kind="eagle3",
             draft_vocab_size=up.draft_vocab_size,
             layout="upstream",
             own_lm_head=up.source == "vllm",
             **common,
         )
-        return Eagle3Drafter(cfg, vocab)
+        return Eagle3Drafter(ecfg, vocab)
     from dspark.models.block_drafter import BlockDrafter, DrafterConfig
 
     cfg = DrafterConfig(
