@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
         "--mask-token-id", type=int, default=None, help="DSpark/DFlash MASK token id: overrides config.json"
     )
     p.add_argument("--atol", type=float, default=1e-4, help="--verify tolerance on float arrays (fp32)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own setting)")
     p.set_defaults(fn=run)
 
 
@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark.models.importers import CheckpointError, check_target, import_drafter, inspect
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     root = Path(args.drafter)
     if not root.is_dir():
         print(f"error: {root} is not a directory", file=sys.stderr)

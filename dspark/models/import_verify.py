@@ -227,6 +227,9 @@ class Verifier:
         """One proposal from anchor position a through BlockDrafterRunner: what it computed."""
         from dspark.models.block_drafter import BlockDrafterRunner
 
+        key = ("block", id(d), a)
+        if key in self._cache:
+            return self._cache[key]
         m = d.model
         feats = self._features(m.cfg.feature_layers or self._layers())
         runner = BlockDrafterRunner(m, num_slots=1, max_len=len(self.ids) + 1)
@@ -237,7 +240,8 @@ class Verifier:
         U, h = bb[0][1]
         z = torch.stack([out[0][0] for _, out in hs])
         c = torch.stack([out[1][0] for _, out in hs])
-        return {"U": U[0], "h": h[0], "z": z, "c": c, "tokens": prop.tokens[0]}
+        self._cache[key] = {"U": U[0], "h": h[0], "z": z, "c": c, "tokens": prop.tokens[0]}
+        return self._cache[key]
 
     def _teacher_forced(self, d: Drafter, a: int, U, h):
         m, G = d.model, d.model.cfg.block_size
