@@ -20,6 +20,14 @@ tokens outside the subset (an anchor may be any target token).
 
 The frozen parts (the target's embedding and the LM-head rows of the subset) are not saved
 with the drafter: they are taken from the target when the drafter is attached to it.
+
+Upstream checkpoints (dspark.models.importers: DeepSpec DSpark / DFlash, z-lab DFlash) map onto
+the same class through config flags whose defaults are our own drafters: `qk_norm` (Qwen3
+draft layers: per-head RMSNorm on queries and on block and context keys alike),
+`attention_bias` / `attention_out_bias`, `confidence_with_markov` (DeepSpec's confidence head
+may read h_k alone) and `feature_layers` (the target taps the drafter was trained on). Their
+MASK vector is the target's embedding row of the upstream mask token, and their draft
+vocabulary is the whole target vocabulary.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from dspark.models.target import (
     TargetConfig,
     add_attention_projections,
     apply_rope,
+    heads,
     rope_cos_sin,
 )
 
@@ -63,8 +72,27 @@ class DrafterConfig:
     head: str = "markov"  # "markov" | "rnn" | "none"
     markov_rank: int = 256
     confidence: bool = True
+    confidence_with_markov: bool = True  # confidence input [h_k; W1[x_{k-1}]] (False: h_k alone)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3-style draft layers)
+    attention_bias: bool = False  # q/k/v biases
+    attention_out_bias: bool = False  # o_proj bias
+    feature_layers: tuple[int, ...] | None = None  # target taps it was trained on (None: the target's)
+    rope_scaling: tuple[float, ...] | None = None  # Llama-3.1 RoPE (see dspark.models.target)
+    # z-lab DFlash: the block is [anchor, MASK × γ] and each MASK slot predicts the token at its
+    # own position (the anchor slot's output is dropped); ours and DeepSpec's: [anchor, MASK ×
+    # (γ−1)] with slot k predicting position p0 + k + 1. γ = block_size drafts either way.
+    predict_own_position: bool = False
 
     def __post_init__(self) -> None:
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", tuple(float(x) for x in self.rope_scaling))
+        if self.feature_layers is not None:
+            object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+            if len(self.feature_layers) * self.hidden_size != self.feature_size:
+                raise ValueError(
+                    f"feature_size {self.feature_size} is not {len(self.feature_layers)} taps × hidden_size "
+                    f"{self.hidden_size}"
+                )
         if self.head not in ("markov", "rnn", "none"):
             raise ValueError(f"head must be markov, rnn or none, got {self.head!r}")
         if self.confidence and self.head == "none":
@@ -114,9 +142,8 @@ class DraftLayer(nn.Module):
 
     def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Keys/values of projected context features c [R, T, d] (eq. 3: K_i = W_K^i c)."""
-        R, T, _ = c.shape
-        k = self.k_proj(c).view(R, T, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(c).view(R, T, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
+        k = heads(self, "k", c, self.cfg.num_kv_heads, self.cfg.head_dim)
+        v = heads(self, "v", c, self.cfg.num_kv_heads, self.cfg.head_dim)
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_ok, extra=None):
@@ -127,9 +154,9 @@ class DraftLayer(nn.Module):
         B, G, _ = x.shape
         c = self.cfg
         u = self.input_layernorm(x)
-        q = apply_rope(self.q_proj(u).view(B, G, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(self.k_proj(u).view(B, G, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
-        v = self.v_proj(u).view(B, G, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = apply_rope(heads(self, "q", u, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(heads(self, "k", u, c.num_kv_heads, c.head_dim), cos, sin)
+        v = heads(self, "v", u, c.num_kv_heads, c.head_dim)
         rep = c.num_heads // c.num_kv_heads
         qg = q.reshape(B, c.num_kv_heads, rep * G, c.head_dim) * (c.head_dim**-0.5)
         segments = [(ctx_k, ctx_v, ctx_ok)] + ([extra] if extra is not None else [])
@@ -170,7 +197,7 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         if cfg.head == "rnn":
             self.rnn = nn.Linear(2 * r + d, 3 * r)
         if cfg.confidence:
-            self.conf = nn.Linear(d + r, 1)
+            self.conf = nn.Linear(d + (r if cfg.confidence_with_markov else 0), 1)
         self.register_buffer("draft_vocab", draft_vocab.long().clone(), persistent=True)
         # target id -> draft index (Vd for ids outside the subset); filled by attach()
         self.register_buffer("to_draft", torch.zeros(0, dtype=torch.long), persistent=False)
@@ -203,7 +230,9 @@ class BlockDrafter(DraftModelMixin, nn.Module):
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor):
         """Per-layer context keys/values for projected context c [R, T, d] at positions [R, T]."""
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, c.dtype)
+        cos, sin = rope_cos_sin(
+            positions, self.cfg.head_dim, self.cfg.rope_theta, c.dtype, self.cfg.rope_scaling
+        )
         return [layer.context_kv(c, cos, sin) for layer in self.layers]
 
     def backbone(self, anchors: torch.Tensor, p0: torch.Tensor, ctx_kv, ctx_ok: torch.Tensor, extra=None):
@@ -213,15 +242,16 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         [B or 1, KV, S, D]; ctx_ok: [B, S] True where a context key may be attended (pos < p0);
         extra: optional per layer (k, v, ok), a second context segment (see DraftLayer.forward).
         """
-        G = self.cfg.block_size
+        own = self.cfg.predict_own_position
+        G = self.cfg.block_size + (1 if own else 0)  # block inputs
         B = anchors.shape[0]
         x = self.mask_embed.expand(B, G, -1).clone()
         x[:, 0] = self.embed[anchors]
         pos = p0.unsqueeze(1) + torch.arange(G)
-        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype, self.cfg.rope_scaling)
         for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
             x = layer(x, cos, sin, k, v, ctx_ok, extra[i] if extra is not None else None)
-        h = self.norm(x)
+        h = self.norm(x[:, 1:] if own else x)  # z-lab: the anchor slot's output is not a draft
         return h @ self.lm_head.T, h
 
     # -- sequential stage --------------------------------------------------------------------
@@ -242,11 +272,12 @@ class BlockDrafter(DraftModelMixin, nn.Module):
             z = U_k + self.w2(torch.tanh(out))
             g = torch.sigmoid(gate)
             state = g * state + (1 - g) * torch.tanh(cand)
-        conf = (
-            self.conf(torch.cat([h_k, e], dim=-1)).squeeze(-1)
-            if self.cfg.confidence
-            else U_k.new_zeros(len(U_k))
-        )
+        if not self.cfg.confidence:
+            conf = U_k.new_zeros(len(U_k))
+        elif self.cfg.confidence_with_markov:
+            conf = self.conf(torch.cat([h_k, e], dim=-1)).squeeze(-1)
+        else:
+            conf = self.conf(h_k).squeeze(-1)
         return z, conf, state
 
     def teacher_forced(self, U: torch.Tensor, h: torch.Tensor, prev: torch.Tensor):
