@@ -267,7 +267,8 @@ class Batcher:
             except Exception as exc:
                 self._fail(plain + feeding, f"decoding round failed: {exc}")
             else:
-                self._check_lost(feeding)
+                if feeding:
+                    self._check_lost(feeding)
         if groups:
             self.metrics.round_verified(verified)
         keep = []
