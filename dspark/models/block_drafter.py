@@ -33,6 +33,7 @@ vocabulary is the whole target vocabulary.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -299,10 +300,13 @@ class BlockDrafterRunner(Drafter):
 
     Each request owns a slot of the drafter's context cache: per layer, the keys/values of its
     committed positions' projected target features (never the block's own keys, which are
-    recomputed every round), filled by `begin` and `advance`.
+    recomputed every round), filled by `begin` and — lazily, in one batched call for every
+    drafting request — by the `propose` after `advance`.
     """
 
-    def __init__(self, model: BlockDrafter, num_slots: int = 16, max_len: int = 2048) -> None:
+    def __init__(
+        self, model: BlockDrafter, num_slots: int = 16, max_len: int = 2048, lazy: bool = True
+    ) -> None:
         if model.embed is None:
             raise ValueError("attach the target's embedding and LM head first: model.attach(...)")
         self.model = model.eval()
@@ -317,43 +321,90 @@ class BlockDrafterRunner(Drafter):
         self.max_len = max_len
         self.pool = SlotPool(num_slots, max_len, self.length, "drafter context")
         self._slot: dict[int, int] = {}
+        self.pending: dict[int, list[torch.Tensor]] = {}  # slot → committed features not yet projected
+        self.catchup = (0, 0.0)  # positions projected at propose time, seconds (running totals)
+        self.lazy = lazy  # False: project committed features at once (the eager reference)
 
     @property
     def free_slots(self) -> int:
         return self.pool.free_slots
 
     @torch.no_grad()
-    def _append(self, slot: int, features: torch.Tensor) -> None:
-        n, start = features.shape[0], int(self.length[slot])
-        if start + n > self.max_len:
+    def _append(self, slots: list[int], features: list[torch.Tensor]) -> None:
+        """Project features[i] into the context of slots[i], after what it holds: one batched
+        call for all rows (padded to the longest; the projection is per position, so padding
+        changes nothing and is not written)."""
+        rows = [(s, f) for s, f in zip(slots, features) if len(f)]
+        if not rows:
+            return
+        n = torch.tensor([len(f) for _, f in rows])
+        start = torch.stack([self.length[s] for s, _ in rows])
+        T = int(n.max())
+        batch = torch.zeros(len(rows), T, rows[0][1].shape[-1], dtype=rows[0][1].dtype)
+        for r, (_, f) in enumerate(rows):
+            batch[r, : len(f)] = f
+        c = self.model.project_context(batch)
+        kv = self.model.context_kv(c, start.unsqueeze(1) + torch.arange(T).unsqueeze(0))
+        for r, (s, _) in enumerate(rows):
+            a, b = int(start[r]), int(start[r] + n[r])
+            for i, (k, v) in enumerate(kv):
+                self.k[i][s, :, a:b] = k[r, :, : b - a]
+                self.v[i][s, :, a:b] = v[r, :, : b - a]
+            self.length[s] = b
+
+    def _check_room(self, slot: int, extra: int) -> None:
+        if int(self.length[slot]) + len(self.pending[slot]) + extra > self.max_len:
             raise ValueError(f"drafter context would exceed {self.max_len} positions: raise max_len")
-        c = self.model.project_context(features.unsqueeze(0))
-        pos = torch.arange(start, start + n).unsqueeze(0)
-        for i, (k, v) in enumerate(self.model.context_kv(c, pos)):
-            self.k[i][slot, :, start : start + n] = k[0]
-            self.v[i][slot, :, start : start + n] = v[0]
-        self.length[slot] = start + n
 
     def begin(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
         slot = self.pool.allocate()
         self._slot[rid] = slot
-        self._append(slot, features)
+        self.pending[slot] = []
+        try:
+            self._check_room(slot, len(features))
+            self._append([slot], [features])
+        except Exception:
+            self.end(rid)
+            raise
 
     def advance(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
-        self._append(self._slot[rid], features)
+        """Committed features wait (lazy) until this request next drafts: then every drafting
+        request's waiting features are projected in one batched call."""
+        slot = self._slot[rid]
+        self._check_room(slot, len(features))
+        if self.lazy:
+            self.pending[slot].append(features)
+        else:
+            self._append([slot], [features])
+
+    def catchup_positions(self, rid: int) -> int:
+        return sum(len(f) for f in self.pending[self._slot[rid]])
+
+    def catchup_totals(self) -> tuple[int, float]:
+        return self.catchup
 
     def end(self, rid: int) -> None:
         slot = self._slot.pop(rid, None)
         if slot is not None:
+            self.pending.pop(slot, None)
             self.pool.release(slot)
 
     @torch.no_grad()
     def propose(self, rids, anchors, params, gens) -> Proposal:
         m = self.model
-        slots = torch.tensor([self._slot[r] for r in rids])
-        p0 = self.length[slots]
+        slots = [self._slot[r] for r in rids]
+        waiting = [(s, torch.cat(self.pending[s])) for s in slots if self.pending[s]]
+        t0 = time.perf_counter()
+        self._append([s for s, _ in waiting], [f for _, f in waiting])
+        if waiting:
+            n = sum(len(f) for _, f in waiting)
+            self.catchup = (self.catchup[0] + n, self.catchup[1] + time.perf_counter() - t0)
+        for s, _ in waiting:
+            self.pending[s] = []
+        idx = torch.tensor(slots)
+        p0 = self.length[idx]
         S = int(p0.max())
-        ctx_kv = [(k[slots, :, :S], v[slots, :, :S]) for k, v in zip(self.k, self.v)]
+        ctx_kv = [(k[idx, :, :S], v[idx, :, :S]) for k, v in zip(self.k, self.v)]
         ctx_ok = torch.arange(S).unsqueeze(0) < p0.unsqueeze(1)
         anchor_ids = torch.tensor(anchors)
         U, h = m.backbone(anchor_ids, p0, ctx_kv, ctx_ok)
