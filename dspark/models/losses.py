@@ -94,10 +94,14 @@ class LossOut:
 @torch.no_grad()
 def target_probs(seq: Sequence, blocks: BlockBatch, lm_head: torch.Tensor, dtype: torch.dtype):
     """p^t on the draft vocabulary at each block slot ([B, γ, Vd], from the cached final hidden
-    state and full-vocabulary logsumexp) and the target's mass outside it ([B, γ])."""
-    ht = seq.last_hidden[blocks.hidden_idx].to(dtype)
-    p_t = torch.exp((ht @ lm_head.T).float() - seq.lse[blocks.hidden_idx].unsqueeze(-1))
-    return p_t, (1.0 - p_t.sum(-1)).clamp(min=0.0)
+    state and full-vocabulary logsumexp) and the target's mass outside it ([B, γ]). Overlapping
+    blocks share positions (with dense anchors each position is in up to γ blocks): p^t is
+    computed once per distinct position and gathered."""
+    pos, inv = torch.unique(blocks.hidden_idx, return_inverse=True)
+    ht = seq.last_hidden[pos].to(dtype)
+    p_u = torch.exp((ht @ lm_head.T).float() - seq.lse[pos].unsqueeze(-1))  # [U, Vd]
+    out_u = (1.0 - p_u.sum(-1)).clamp(min=0.0)
+    return p_u[inv], out_u[inv]
 
 
 def l1_distance(p_d: torch.Tensor, p_t: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
