@@ -282,7 +282,13 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         return z, conf, state
 
     def teacher_forced(self, U: torch.Tensor, h: torch.Tensor, prev: torch.Tensor):
-        """All slots at once with ground-truth previous tokens prev [B, γ] (draft indices)."""
+        """All slots at once with ground-truth previous tokens prev [B, γ] (draft indices). The
+        Markov head has no state, so all slots go through `head_step` in one call (it is written
+        for any leading shape: [B·γ] rows); the RNN head steps through the slots."""
+        if self.cfg.head == "markov":
+            B, G = prev.shape
+            z, c, _ = self.head_step(U.reshape(B * G, -1), h.reshape(B * G, -1), prev.reshape(-1), None)
+            return z.view(B, G, -1), c.view(B, G)
         zs, cs, state = [], [], None
         for k in range(U.shape[1]):
             z, c, state = self.head_step(U[:, k], h[:, k], prev[:, k], state)

@@ -104,6 +104,33 @@ def match_target(model, loaded: LoadedTarget, where) -> None:
         )
 
 
+DATA_MIXES = ("on-policy", "reference", "mix")
+
+
+def training_files(
+    mix: str, answers: Path, cache: Path, references: Path | None, ref_cache: Path | None
+) -> tuple[list[Path], list[dict], list[list[int]]]:
+    """(training files, held-out on-policy records, token lists for the draft vocabulary) of a
+    data mix: "on-policy" (the target's own regenerated answers), "reference" (the teacher-forced
+    corpus of the large pools' reference answers) or "mix" (both). The vocabulary is built from
+    both sources whatever the mix, so that runs on different mixes differ only in their data."""
+    if mix not in DATA_MIXES:
+        raise ValueError(f"unknown data mix {mix!r}: choose one of {DATA_MIXES}")
+    own, held = split_cache(answers, cache)
+    ref: list[Path] = []
+    if references is not None and ref_cache is not None and references.exists():
+        ref, _ = split_cache(references, ref_cache)
+    if mix != "on-policy" and not ref:
+        raise FileNotFoundError(
+            f"no teacher-forced samples in {ref_cache}: run `dspark data --references {references}` first"
+        )
+    files = {"on-policy": own, "reference": ref, "mix": own + ref}[mix]
+    token_lists = [a["answer_ids"] for a in read_answers(answers) if not is_holdout(a["key"])]
+    if references is not None and references.exists():
+        token_lists += [a["answer_ids"] for a in read_answers(references) if not is_holdout(a["key"])]
+    return files, held, token_lists
+
+
 def run_training(
     loaded: LoadedTarget,
     kind: str,
@@ -114,12 +141,14 @@ def run_training(
     vocab_size: int,
     num_layers: int | None,
     until: int | None = None,
+    mix: str = "on-policy",
+    references: Path | None = None,
+    ref_cache: Path | None = None,
 ) -> dict:
-    files, held = split_cache(answers, cache)
+    files, held, token_lists = training_files(mix, answers, cache, references, ref_cache)
     if not files:
         raise FileNotFoundError(f"no cached training samples in {cache}: run `make data` first")
-    answers_ids = [a["answer_ids"] for a in read_answers(answers) if not is_holdout(a["key"])]
-    vocab, coverage = build_draft_vocab(answers_ids, vocab_size, must_include=sorted(loaded.stop_ids))
+    vocab, coverage = build_draft_vocab(token_lists, vocab_size, must_include=sorted(loaded.stop_ids))
     kw = {"num_layers": num_layers} if num_layers else {}
     model = make_drafter(loaded, kind, vocab, **kw)
     print(
@@ -137,5 +166,7 @@ def run_training(
             f.write(line + "\n")
 
     summary = train(model, files, tc, out, log=log, until=until)
-    summary.update(kind=kind, vocab_size=len(vocab), vocab_coverage=coverage, training_sequences=len(files))
+    summary.update(
+        kind=kind, vocab_size=len(vocab), vocab_coverage=coverage, training_sequences=len(files), data_mix=mix
+    )
     return {"model": model, "summary": summary, "held": held}
