@@ -114,14 +114,7 @@ class DrafterConfig:
         return cls(
             kind=kind,
             draft_vocab_size=draft_vocab_size,
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_heads=t.num_heads,
-            num_kv_heads=t.num_kv_heads,
-            head_dim=t.head_dim,
-            feature_size=t.feature_size,
-            rms_eps=t.rms_eps,
-            rope_theta=t.rope_theta,
+            **t.layer_dims(),
             **kw,
         )
 

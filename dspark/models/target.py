@@ -67,6 +67,19 @@ class TargetConfig:
                 "normed)"
             )
 
+    def layer_dims(self) -> dict:
+        """The layer dimensions a drafter copies from its target (its layers match the target's)."""
+        return dict(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            feature_size=self.feature_size,
+            rms_eps=self.rms_eps,
+            rope_theta=self.rope_theta,
+        )
+
     @property
     def feature_size(self) -> int:
         return len(self.feature_layers) * self.hidden_size
