@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-STEPS=${STEPS:-120}
+STEPS=${STEPS:-160}
+SEQS=${SEQS:-2}
 THREADS=${THREADS:-1}
 SHARED=${DSPARK_SHARED:-../shared}
 OUT=docs/acceptance/mix
@@ -14,7 +15,7 @@ mkdir -p "$OUT"
 for mix in on-policy reference mix; do
   ship=artifacts/ab/$mix
   if [ ! -f "$ship/drafter.json" ]; then
-    $PY -m dspark.cli train --kind dspark --data-mix "$mix" --steps "$STEPS" --anchors 128 \
+    $PY -m dspark.cli train --kind dspark --data-mix "$mix" --steps "$STEPS" --seqs-per-step "$SEQS" --anchors 128 \
       --out "artifacts/runs/ab-$mix" --ship "$ship" --sts-prompts 0 --threads "$THREADS" --log-every 10
   fi
   for s in gsm8k-test humaneval mt-bench; do
