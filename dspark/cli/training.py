@@ -62,7 +62,7 @@ def add_parsers(sub) -> None:
     t.add_argument("--ship", default=None, help="where the final drafter goes (default drafters/KIND)")
     t.add_argument("--steps", type=int, default=600)
     t.add_argument("--until", type=int, default=None, help="stop after this many steps (resume later)")
-    t.add_argument("--seqs-per-step", type=int, default=8)
+    t.add_argument("--seqs-per-step", type=int, default=2, help="cached samples per optimizer step")
     t.add_argument(
         "--anchors", type=int, default=128,
         help="anchors (blocks) per sequence (128 amortises the context projection best on a CPU)",
