@@ -74,7 +74,8 @@ class Serve:
             assert self.proc.poll() is None, (
                 f"dspark serve exited {self.proc.returncode}:\n{self.output()[-4000:]}"
             )
-            if self.ready() and set(self.stubs()) >= set(MODELS):
+            # dspark serve's own "ready" line too: before it, its start-up still owns the process
+            if self.ready() and set(self.stubs()) >= set(MODELS) and "[serve] ready" in self.output():
                 return
             time.sleep(0.25)
         raise AssertionError(f"not ready after {timeout} s:\n{self.output()[-4000:]}")
