@@ -72,6 +72,10 @@ def add_parsers(sub) -> None:
         help="on-policy: the target's regenerated answers; reference: the teacher-forced corpus; mix: both",
     )  # fmt: skip
     t.add_argument("--references", default="artifacts/data/references.jsonl", help="teacher-forced corpus")
+    t.add_argument(
+        "--init-from", default=None,
+        help="start from this drafter (shipped name or checkpoint folder, fp16 is fine) and its vocabulary",
+    )  # fmt: skip
     t.add_argument("--ref-cache", default="artifacts/cache-ref", help="its target cache")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary size")
@@ -236,6 +240,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         mix=args.data_mix,
         references=Path(args.references) if args.references else None,
         ref_cache=Path(args.ref_cache) if args.ref_cache else None,
+        init_from=Path(args.init_from) if args.init_from else None,
     )
     model, summary = res["model"], res["summary"]
     if summary["steps"] < tc.steps:

@@ -131,6 +131,12 @@ def training_files(
     return files, held, token_lists
 
 
+def _coverage(token_lists: list[list[int]], vocab: torch.Tensor) -> float:
+    keep = set(vocab.tolist())
+    total = sum(len(t) for t in token_lists)
+    return sum(1 for t in token_lists for x in t if x in keep) / max(total, 1)
+
+
 def run_training(
     loaded: LoadedTarget,
     kind: str,
@@ -144,13 +150,22 @@ def run_training(
     mix: str = "on-policy",
     references: Path | None = None,
     ref_cache: Path | None = None,
+    init_from: Path | None = None,
 ) -> dict:
     files, held, token_lists = training_files(mix, answers, cache, references, ref_cache)
     if not files:
         raise FileNotFoundError(f"no cached training samples in {cache}: run `make data` first")
-    vocab, coverage = build_draft_vocab(token_lists, vocab_size, must_include=sorted(loaded.stop_ids))
-    kw = {"num_layers": num_layers} if num_layers else {}
-    model = make_drafter(loaded, kind, vocab, **kw)
+    if init_from is not None:  # continue from a checkpoint (a shipped fp16 drafter): its vocabulary too
+        model, _ = load_drafter(str(init_from), loaded)
+        model = model.float().attach(loaded.model.model.embed_tokens.weight, loaded.model.lm_head.weight)
+        if model.cfg.kind != kind:
+            raise ValueError(f"--init-from {init_from} is a {model.cfg.kind} drafter, not {kind}")
+        vocab = model.draft_vocab
+        coverage = _coverage(token_lists, vocab)
+    else:
+        vocab, coverage = build_draft_vocab(token_lists, vocab_size, must_include=sorted(loaded.stop_ids))
+        kw = {"num_layers": num_layers} if num_layers else {}
+        model = make_drafter(loaded, kind, vocab, **kw)
     print(
         f"[train] {kind}: {len(files)} training sequences, {len(held)} held out; draft vocabulary "
         f"{len(vocab)} tokens covers {coverage:.1%} of answer tokens; "
