@@ -110,7 +110,7 @@ def train(
             acc_sum += out.accept
             acc_cnt += out.count
             run.update(
-                loss=float(out.total), ce=out.ce, tv=out.tv, conf=out.conf, n=1, slots=int(out.count.sum())
+                loss=out.total.item(), ce=out.ce, tv=out.tv, conf=out.conf, n=1, slots=int(out.count.sum())
             )
         torch.nn.utils.clip_grad_norm_(params, tc.clip)
         opt.step()
