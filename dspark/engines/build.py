@@ -223,6 +223,7 @@ class Builder:
         self.log = log
         self.manifest_path = self.out / "manifest.json"
         old = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
+        self.old_manifest = old
         self.old = {e["file"]: e for e in old.get("engines", [])}
         self.engines: list[dict] = []
         self.code = code_hash()
@@ -308,6 +309,16 @@ class Builder:
 
     def write_manifest(self, extra: dict) -> Path:
         ok, why = tensorrt_status()
+        if self.tensorrt is None:  # a cpu build keeps the plans still built from today's ONNX graphs
+            onnx = {e["file"]: e.get("onnx_sha256") for e in self.engines}
+            kept = [
+                e
+                for e in self.old.values()
+                if e.get("backend") == "tensorrt" and onnx.get(e.get("onnx")) == e.get("onnx_sha256")
+            ]
+            self.engines += kept
+            if kept and self.old_manifest.get("tensorrt", {}).get("built"):
+                self.tensorrt = self.old_manifest["tensorrt"]
         manifest = {
             "format": 1,
             "settings": self.cfg.to_dict(),

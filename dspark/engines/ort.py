@@ -228,12 +228,15 @@ class OrtDrafterRunner(Drafter):
         return cls(engines, meta, num_slots)
 
     @classmethod
-    def open(cls, build: Path, spec: RuntimeSpec, num_slots: int = 16, **kw) -> OrtDrafterRunner:
-        """From an engine build folder on any runtime and device (engines/runtimes.py)."""
+    def open(
+        cls, build: Path, spec: RuntimeSpec, num_slots: int = 16, target_dir=None, **kw
+    ) -> OrtDrafterRunner:
+        """From an engine build folder on any runtime and device (engines/runtimes.py); the
+        torch runtime loads the drafter and target checkpoints (target_dir)."""
         from dspark.engines.runtimes import drafter_graphs
 
         meta = json.loads((Path(build) / "drafter_meta.json").read_text())
-        return cls(drafter_graphs(build, meta, spec), meta, num_slots, **kw)
+        return cls(drafter_graphs(build, meta, spec, target_dir), meta, num_slots, **kw)
 
     @property
     def free_slots(self) -> int:

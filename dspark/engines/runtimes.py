@@ -410,17 +410,12 @@ def onnx_file(build: Path, file: str, spec: RuntimeSpec) -> Path:
     return Path(build) / (opt if spec.torch_device.type == "cpu" else raw)
 
 
-def open_graph(build: Path, file: str, spec: RuntimeSpec, module_fn=None) -> Graph:
-    """The Graph of one engine file (`target.onnx`, `drafter_backbone.b8.onnx`, ...) for spec.
-    `module_fn()` gives the PyTorch module and its names for the torch runtime."""
+def open_graph(build: Path, file: str, spec: RuntimeSpec) -> Graph:
+    """The Graph of one engine file (`target.onnx`, `drafter_backbone.b8.opt.onnx`, ...) of a
+    build for an ort or tensorrt spec (the torch runtime has no files: torch_*_graph)."""
     build = Path(build)
     if spec.runtime == "torch":
-        if spec.torch_device.type == "cuda":
-            require_cuda(spec.torch_device)
-        if module_fn is None:
-            raise RuntimeUnavailable(f"{file}: the torch runtime needs the PyTorch checkpoint")
-        module, ins, outs = module_fn()
-        return TorchGraph(module, ins, outs, spec.device)
+        raise ValueError("the torch runtime runs the PyTorch modules: use target_graph / drafter_graphs")
     if spec.runtime == "tensorrt":
         from dspark.engines.tensorrt import TrtGraph, plan_entry
 
@@ -440,12 +435,13 @@ def build_meta(build: Path) -> tuple[dict, dict | None]:
     return target, (json.loads(d.read_text()) if d.exists() else None)
 
 
-def required_files(build: Path, spec: RuntimeSpec, service: str) -> list[Path]:
+def required_files(build: Path, spec: RuntimeSpec, service: str, target_dir=None) -> list[Path]:
     """The files a service loads for spec (so a rendered repository can be checked before the
     server starts: a missing one is an error naming it, never a skipped model)."""
     build = Path(build)
     files = [build / "target_meta.json"]
     drafter = build / "drafter_meta.json"
+    meta = None
     if service == "target":
         names = ["target.onnx"]
     else:
@@ -453,15 +449,26 @@ def required_files(build: Path, spec: RuntimeSpec, service: str) -> list[Path]:
         if not drafter.exists():
             return files
         meta = json.loads(drafter.read_text())
-        names = ["drafter_context.onnx"] if service == "drafter_backbone" else []
-        role = "drafter_backbone" if service == "drafter_backbone" else "drafter_head"
-        names += [f.replace(".opt.onnx", ".onnx") for f in meta["files"].get(role, {}).values()]
+        names = ["drafter_context.onnx"] + [
+            f.replace(".opt.onnx", ".onnx")
+            for role in ("drafter_backbone", "drafter_head")
+            for f in meta["files"].get(role, {}).values()
+        ]
     if spec.runtime == "ort":
         files += [onnx_file(build, n, spec) for n in names]
     elif spec.runtime == "tensorrt":
         from dspark.engines.tensorrt import plan_file
 
         files += [build / plan_file(n, spec.precision) for n in names]
+    else:  # torch: the checkpoints
+        tdir = Path(target_dir) if target_dir else build / "(no target_dir given)"
+        files.append(tdir)  # a checkpoint directory (safetensors + dspark_target.json or config.json)
+        if meta is not None:
+            name = meta.get("drafter") or "(drafter_meta.json names no checkpoint)"
+            from dspark.paths import REPO
+
+            d = REPO / "drafters" / name if (REPO / "drafters" / name).is_dir() else Path(name)
+            files.append(d / "drafter.json")
     return files
 
 
@@ -474,49 +481,55 @@ def _torch_target(target_dir):
     return load_checkpoint_dir(Path(target_dir), torch.float32)
 
 
+def torch_target_graph(model, device="cpu") -> Graph:
+    """The torch runtime's target graph from a PyTorch target (fp32)."""
+    from dspark.export import target as ex
+
+    L = model.cfg.num_layers
+    return TorchGraph(ex.TargetStepGraph(model.float().eval()), ex.input_names(L), ex.output_names(L), device)
+
+
+def torch_drafter_graphs(model, meta: dict, device="cpu") -> dict:
+    """The torch runtime's drafter graphs (one module for every bucket) from a PyTorch drafter
+    with its target parts attached (fp32)."""
+    from dspark.export import drafter as ex
+
+    names = ex.graph_names(model)
+    make = {
+        "drafter_context": lambda: ex.ContextGraph(model),
+        "drafter_backbone": lambda: ex.BackboneGraph(model, meta["new_positions"]),
+        "drafter_head": lambda: ex.HeadGraph(model),
+    }
+    out: dict = {"drafter_context": TorchGraph(make["drafter_context"](), *names["drafter_context"], device)}
+    for role in ("drafter_backbone", "drafter_head"):
+        files = meta["files"].get(role, {})
+        if files:
+            g = TorchGraph(make[role](), *names[role], device)
+            out[role] = {int(b): g for b in files}
+    return out
+
+
 def target_graph(build: Path, spec: RuntimeSpec, target_dir=None) -> Graph:
-    """The target step graph of a build on spec's runtime and device."""
-
-    def module():
-        from dspark.export import target as ex
-
-        model = _torch_target(target_dir)
-        L = model.cfg.num_layers
-        return ex.TargetStepGraph(model), ex.input_names(L), ex.output_names(L)
-
-    return open_graph(build, "target.onnx", spec, module)
+    """The target step graph of a build on spec's runtime and device (the torch runtime loads
+    the checkpoint in target_dir)."""
+    if spec.runtime == "torch":
+        if spec.torch_device.type == "cuda":
+            require_cuda(spec.torch_device)
+        return torch_target_graph(_torch_target(target_dir), spec.device)
+    return open_graph(build, "target.onnx", spec)
 
 
 def drafter_graphs(build: Path, meta: dict, spec: RuntimeSpec, target_dir=None) -> dict:
     """{drafter_context: Graph, drafter_backbone: {B: Graph}, drafter_head: {B: Graph}} of a
     build on spec's runtime and device."""
-    modules: dict = {}
-
-    def module(role: str, B: int | None = None):
-        def make():
-            from dspark.export import drafter as ex
-
-            if "m" not in modules:
-                modules["m"] = _torch_drafter(meta, target_dir)
-            m = modules["m"]
-            names = ex.graph_names(m)[role]
-            graph = {
-                "drafter_context": lambda: ex.ContextGraph(m),
-                "drafter_backbone": lambda: ex.BackboneGraph(m, meta["new_positions"]),
-                "drafter_head": lambda: ex.HeadGraph(m),
-            }[role]()
-            return graph, names[0], names[1]
-
-        return make
-
-    out: dict = {
-        "drafter_context": open_graph(
-            build, meta["files"]["drafter_context"], spec, module("drafter_context")
-        )
-    }
+    if spec.runtime == "torch":
+        if spec.torch_device.type == "cuda":
+            require_cuda(spec.torch_device)
+        return torch_drafter_graphs(_torch_drafter(meta, target_dir), meta, spec.device)
+    out: dict = {"drafter_context": open_graph(build, meta["files"]["drafter_context"], spec)}
     for role in ("drafter_backbone", "drafter_head"):
         files = meta["files"].get(role, {})
-        out[role] = {int(b): open_graph(build, f, spec, module(role)) for b, f in files.items()}
+        out[role] = {int(b): open_graph(build, f, spec) for b, f in files.items()}
     return out
 
 

@@ -21,11 +21,11 @@ from dspark.engines.runtimes import (
     OrtGraph,
     RuntimeSpec,
     RuntimeUnavailable,
-    TorchGraph,
-    open_graph,
     required_files,
+    target_graph,
+    torch_drafter_graphs,
+    torch_target_graph,
 )
-from dspark.export import drafter as exd
 from dspark.export import target as ext
 from dspark.models.target import ROPE_TABLE_POSITIONS, TargetRunner, rope_cos_sin
 from tests.conftest import TINY
@@ -48,23 +48,11 @@ def _f32(m, target):
 
 def _torch_graphs(m, meta, device="cpu"):
     """The drafter's graphs in the torch runtime, from the PyTorch drafter itself."""
-    names = exd.graph_names(m)
-    mk = {
-        "drafter_context": lambda: exd.ContextGraph(m),
-        "drafter_backbone": lambda: exd.BackboneGraph(m, meta["new_positions"]),
-        "drafter_head": lambda: exd.HeadGraph(m),
-    }
-    out = {"drafter_context": TorchGraph(mk["drafter_context"](), *names["drafter_context"], device)}
-    for role in ("drafter_backbone", "drafter_head"):
-        out[role] = {
-            int(b): TorchGraph(mk[role](), *names[role], device) for b in meta["files"].get(role, {})
-        }
-    return out
+    return torch_drafter_graphs(m, meta, device)
 
 
 def _torch_target(target, device="cpu"):
-    L = TINY.num_layers
-    return TorchGraph(ext.TargetStepGraph(target), ext.input_names(L), ext.output_names(L), device)
+    return torch_target_graph(target, device)
 
 
 # -- RoPE and the graphs TensorRT accepts ------------------------------------------------------
@@ -259,7 +247,7 @@ def test_cuda_and_tensorrt_are_clear_errors_without_them(built, monkeypatch):
     with pytest.raises(RuntimeUnavailable, match="GPU|CPU-only"):
         RuntimeSpec("ort", "cuda:0").check()
     with pytest.raises(RuntimeUnavailable, match="GPU|CPU-only"):
-        open_graph(out, "target.onnx", RuntimeSpec("torch", "cuda"), lambda: None)
+        target_graph(out, RuntimeSpec("torch", "cuda"), "/nonexistent")
     with pytest.raises(RuntimeUnavailable, match="providers"):
         RuntimeSpec("ort", "cpu", providers=("CUDAExecutionProvider",)).check()
     if trt_mod.tensorrt_version() is None:
