@@ -164,6 +164,7 @@ def validate(repo: Path, require_files: bool = True) -> dict:
     from tritonclient.grpc import model_config_pb2
 
     configs = {}
+    missing: list[str] = []  # every model's missing files, reported together
     for d in sorted(p for p in Path(repo).iterdir() if p.is_dir()):
         path = d / "config.pbtxt"
         if not path.exists():
@@ -183,23 +184,27 @@ def validate(repo: Path, require_files: bool = True) -> dict:
             if require_files and not (d / "1" / "model.py").exists():
                 raise RenderError(f"{d.name}: 1/model.py is missing")
             if require_files:
-                _check_engine_files(d.name, {k: v.string_value for k, v in cfg.parameters.items()})
+                missing += _missing_engine_files(
+                    d.name, {k: v.string_value for k, v in cfg.parameters.items()}
+                )
         else:
             raise RenderError(f"{d.name}: unexpected backend {cfg.backend!r} / platform {cfg.platform!r}")
         if d.name == "dspark" and not cfg.model_transaction_policy.decoupled:
             raise RenderError("dspark: the orchestrator must be decoupled (streaming)")
         configs[d.name] = cfg
+    if missing:
+        raise RenderError("; ".join(missing))
     if "target" not in configs or "dspark" not in configs:
         raise RenderError(f"{repo}: the repository needs at least the target and dspark models")
     return configs
 
 
-def _check_engine_files(model: str, params: dict) -> None:
-    """Every file the model's service will load exists (a RenderError naming the missing ones)."""
+def _missing_engine_files(model: str, params: dict) -> list[str]:
+    """[] when every file the model's service will load exists, else one line naming them."""
     from dspark.engines.runtimes import RuntimeSpec, required_files
 
     if "service" not in params:
-        return
+        return []
     try:
         spec = RuntimeSpec.from_params(params)
     except ValueError as e:
@@ -216,4 +221,5 @@ def _check_engine_files(model: str, params: dict) -> None:
             if spec.runtime == "ort"
             else "give the checkpoint (--target)"
         )
-        raise RenderError(f"{model} (runtime {spec.runtime}) needs files that are missing: {missing}; {how}")
+        return [f"{model} (runtime {spec.runtime}) needs files that are missing: {missing}; {how}"]
+    return []

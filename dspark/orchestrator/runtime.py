@@ -70,11 +70,14 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
             acc[2] += bls_bytes(inputs)
             acc[3] += bls_bytes(got or {})
 
-    tok = ChatTokenizer(Path(params["target_dir"])) if params.get("target_dir") else None
+    tdir = Path(params["target_dir"]) if params.get("target_dir") else None
+    tok = ChatTokenizer(tdir) if tdir is not None and (tdir / "tokenizer.json").exists() else None
 
     def chat_ids(text: str) -> list[int]:
         if tok is None:
-            raise RequestError("this server has no tokenizer (target_dir is empty): send input_ids")
+            raise RequestError(
+                "this server has no tokenizer (target_dir has no tokenizer.json): send input_ids"
+            )
         return tok.chat_ids(text)
 
     def decode(ids: list[int]) -> str:
