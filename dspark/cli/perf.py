@@ -1,4 +1,5 @@
-"""`dspark sps` and `dspark bench`: the perf_analyzer SPS(B) sweep and the serving benchmark."""
+"""`dspark sps`, `dspark bench` and `dspark gpu-check`: the perf_analyzer SPS(B) sweep, the serving
+benchmark, and the one-run GPU check (dspark/perf/gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from dspark.perf.sps import DEFAULT_CONTEXTS, DEFAULT_SIZES, PerfAnalyzerError, 
 
 
 def add_parsers(sub) -> None:
+    from dspark.perf import gpu_check
+
     add_sps_parser(sub)
     add_bench_parser(sub)
+    gpu_check.add_parser(sub)
 
 
 def add_sps_parser(sub) -> None:
