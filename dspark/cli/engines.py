@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         )
         per = -(-args.parity_prompts // 3)
         texts = [t for _, t in demo_prompts(per)][: args.parity_prompts]
-        prompts = [loaded.chat_ids(t)[: args.prefill_tokens] for t in texts]
+        room = min(args.prefill_tokens, args.max_len - args.parity_tokens - 16)  # what the plans hold
+        prompts = [loaded.chat_ids(t)[-room:] for t in texts]
         summary = build_gpu(
             b, loaded.model, drafter, settings, precisions, prompts, args.device, args.parity_tokens,
             ort_cuda=not args.no_ort_cuda,

@@ -388,6 +388,8 @@ def ort_session(path: Path, spec: RuntimeSpec, optimized: Path | None = None):
     if optimized is not None:
         so.optimized_model_filepath = str(optimized)
     providers = spec.ort_providers()
+    if spec.torch_device.type == "cuda" and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()  # CUDA/cuDNN of the nvidia-*-cu12 wheels (torch's may be another CUDA major)
     sess = ort.InferenceSession(str(path), so, providers=providers)
     first = providers[0] if isinstance(providers[0], str) else providers[0][0]
     if sess.get_providers()[0] != first:

@@ -50,6 +50,14 @@ def built(tmp_path_factory):
 MODELS = {"target", "drafter_backbone", "drafter_head", "dspark"}
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """make_service sets torch's threads for its process (1 on the CPU): restore them here."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 def test_gpu_repository_is_python_models_on_kind_gpu_and_names_missing_plans(built, tmp_path):
     _, eng, _ = built
     repo = tmp_path / "gpu"
