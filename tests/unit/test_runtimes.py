@@ -309,3 +309,16 @@ def test_plan_profiles_cover_every_input_with_no_empty_dim(built):
             assert all(p["past_key.0"][2][2] == 64 for p in profiles)
         if e["role"] == "drafter_backbone":
             assert [p["ctx_key.0"][0][2] for p in profiles] == [32, 64]
+
+
+def test_runtime_tensorrt_without_tensorrt_is_a_clear_error_even_with_a_gpu(monkeypatch):
+    """Past the GPU check, the missing tensorrt package is named (never the CPU path instead)."""
+    if trt_mod.tensorrt_version() is not None:
+        pytest.skip("tensorrt is installed here")
+    import dspark.engines.runtimes as rt
+
+    monkeypatch.setattr(rt, "require_cuda", lambda d="cuda": torch.device(d))
+    with pytest.raises(
+        RuntimeUnavailable, match="tensorrt Python package is not installed.*make setup GPU=1"
+    ):
+        RuntimeSpec("tensorrt", "cuda:0").check()

@@ -24,7 +24,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        if args.get("model_instance_kind") == "GPU":  # KIND_GPU: the instance's own GPU
+        if args.get("model_instance_kind") in ("GPU", "KIND_GPU"):  # the instance's own GPU
             params["device_id"] = args.get("model_instance_device_id", "0")
         sys.path.insert(0, params["code_root"])
         from dspark.model_repository.services import make_service
