@@ -72,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             print(f"error: the {mod} package is missing: run `make setup`", file=sys.stderr)
             return 2
-    precisions = [x for x in args.precision.split(",") if x]
-    if args.profile == "gpu":
+    profile = getattr(args, "profile", "cpu")  # callers that build a Namespace by hand: the cpu build
+    precisions = [x for x in getattr(args, "precision", "fp32").split(",") if x]
+    if profile == "gpu":
         from dspark.engines.gpu_build import gpu_ready
 
         ok, why = gpu_ready()
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
         build_int8_target(b)
     parity_ok = True
-    if args.profile == "gpu":
+    if profile == "gpu":
         from dspark.engines.gpu_build import build_gpu
         from dspark.engines.tensorrt import PlanSettings
         from dspark.prompts import demo_prompts
