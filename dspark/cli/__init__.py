@@ -15,12 +15,13 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dspark.cli import demo, deploy, engines, perf, serve, training
+    from dspark.cli import demo, deploy, engines, importer, perf, serve, training
 
     p = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding, compiled and served")
     sub = p.add_subparsers(dest="cmd", required=True)
     demo.add_parsers(sub)
     training.add_parsers(sub)
+    importer.add_parser(sub)
     engines.add_parser(sub)
     serve.add_parsers(sub)
     perf.add_parsers(sub)

@@ -77,8 +77,9 @@ def quick_sps(runner, context: int = 128, sizes=(1, 2, 4, 8, 16), repeats: int =
 def _runners(loaded, engines: str | None, drafter_name: str | None, slots: int, max_len: int):
     """(target runner, drafter runner or None, STS or None, label): PyTorch, or the ORT engines
     of `engines` (a `make engines` build folder)."""
+    from dspark.models.runners import runner_for
     from dspark.models.target import TargetRunner
-    from dspark.training.pipeline import load_drafter, runner_for
+    from dspark.training.pipeline import load_drafter
 
     if engines:
         from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, session

@@ -19,6 +19,12 @@ def add_parsers(sub) -> None:
     s = sub.add_parser("serve", help="render the model repository and run tritonserver on 127.0.0.1")
     s.add_argument("--engines", default="build/engines", help="a `make engines` build folder")
     s.add_argument("--target", default="smollm2-135m-instruct", help="target name or directory (tokenizer)")
+    s.add_argument(
+        "--drafter",
+        default=None,
+        help="a drafter (shipped name, our checkpoint, or one made by `dspark import`): build the engines "
+        "for --target and it into --engines first (incremental, as `dspark engines`)",
+    )
     add_server_args(s)
     s.add_argument("--repository", default="build/model_repository")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
@@ -75,12 +81,19 @@ def serve(args: argparse.Namespace) -> int:
     if args.no_render:
         return _run(args, None)
     engines = Path(args.engines)
+    if args.drafter is not None:
+        rc = _build_engines(args)
+        if rc:
+            return rc
     if not (engines / "manifest.json").exists():
         print(f"error: no engines in {engines}: run `make engines` first", file=sys.stderr)
         return 2
-    from dspark.models.loading import target_dir
+    from dspark.models.loading import has_tokenizer, target_dir
 
-    tdir = target_dir(args.target)
+    tdir: Path | None = target_dir(args.target)
+    if not has_tokenizer(tdir):
+        print(f"[serve] {args.target} has no tokenizer: the server accepts input_ids only")
+        tdir = None
     try:
         models = render(
             args.profile,
@@ -167,6 +180,25 @@ def _run(args: argparse.Namespace, models: list[str] | None) -> int:
         return 1
     print("[serve] stopped")
     return 0
+
+
+def _build_engines(args: argparse.Namespace) -> int:
+    """`dspark serve --target T --drafter D`: the engines of that pair, built (or found up to
+    date) by the same code as `dspark engines`, with the serving limits as build settings."""
+    from dspark.cli.engines import run as build
+
+    return build(
+        argparse.Namespace(
+            target=args.target,
+            drafter=args.drafter,
+            out=args.engines,
+            buckets="1,2,4,8,16",
+            max_context=args.max_len,
+            threads=args.threads,
+            no_verify=False,
+            int8=False,
+        )
+    )
 
 
 def generate_remote(args: argparse.Namespace) -> int:

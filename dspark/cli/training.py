@@ -198,8 +198,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.models.loading import load_target
+    from dspark.models.runners import runner_for
     from dspark.training.evaluate import rollout_traces
-    from dspark.training.pipeline import SHIPPED, run_training, runner_for
+    from dspark.training.pipeline import SHIPPED, run_training
     from dspark.training.train import TrainConfig
 
     torch.set_num_threads(args.threads)
@@ -249,8 +250,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.models.loading import load_target
+    from dspark.models.runners import runner_for
     from dspark.training.evaluate import EvalConfig, evaluate, read_first_turns
-    from dspark.training.pipeline import load_drafter, runner_for
+    from dspark.training.pipeline import load_drafter
 
     torch.set_num_threads(args.threads)
     loaded = load_target(args.target)

@@ -108,6 +108,17 @@ class Drafter(ABC):
     def end(self, rid: int) -> None:
         """The request finished: release everything held for it."""
 
+    def catchup_positions(self, rid: int) -> int:
+        """Committed positions of `rid` that its next `propose` must first feed through a
+        separate context pass (a lazy drafter keeps the features of rounds it did not draft in;
+        they are fed, batched, when it drafts again). 0 for a drafter that feeds eagerly."""
+        return 0
+
+    def catchup_totals(self) -> tuple[int, float]:
+        """Running totals of (positions fed through that context pass, seconds it took): the
+        measured price of catching up, which dspark-skip's cost model reads."""
+        return 0, 0.0
+
 
 @dataclass(frozen=True)
 class Request:

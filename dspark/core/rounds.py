@@ -89,13 +89,23 @@ def release(target: Target, drafter: Drafter | None, s: SequenceState) -> None:
 # -- the target-only round --------------------------------------------------------------------
 
 
-def target_round(target: Target, seqs: list[SequenceState]) -> None:
-    """Target-only decoding: one token per sequence (the `off` baseline)."""
-    step = target.step([s.slot for s in seqs], [[s.anchor] for s in seqs])
+def target_round(
+    target: Target,
+    seqs: list[SequenceState],
+    drafter: Drafter | None = None,
+    feeds: list[bool] | None = None,
+) -> None:
+    """Target-only decoding: one token per sequence (the `off` baseline, and the round in which
+    no speculative sequence drafts). Sequences with feeds[r] hand the anchor's features to the
+    drafter (which may keep them until it next drafts for them)."""
+    anchors = [s.anchor for s in seqs]
+    step = target.step([s.slot for s in seqs], [[a] for a in anchors])
     for r, s in enumerate(seqs):
         tok = int(sample(warp(step.logits[r, 0], s.req.params), uniforms(s.gen, 1)[0]))
         s.emit([tok], tok in s.req.stop_ids or s.remaining <= 1)
         s.stats.add(RoundRecord(verified=0, accepted=0, stopped=False))
+        if drafter is not None and feeds is not None and feeds[r] and s.finish is None:
+            drafter.advance(s.rid, [anchors[r]], step.features[r, :1])
 
 
 # -- the speculative round ---------------------------------------------------------------------

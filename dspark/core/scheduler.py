@@ -21,6 +21,7 @@ This module is pure numpy and knows nothing about models, tensors on device or s
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -349,8 +350,10 @@ class DSparkSkip(DSpark):
 
     Expected tokens per second of a plan with drafting set D (R requests in the round):
         no drafting:  R / t(R)
-        D non-empty:  (R + Σ_{r∈D} E_r) / (t_draft + t(R + Σ_{r∈D} ℓ_r))
-    where ℓ_r is what Algorithm 1 would verify on the last survivals and E_r their sum. Sets
+        D non-empty:  (R + Σ_{r∈D} E_r) / (t_draft + Σ_{r∈D} t_catchup,r + t(R + Σ_{r∈D} ℓ_r))
+    where ℓ_r is what Algorithm 1 would verify on the last survivals, E_r their sum, and
+    t_catchup,r the measured price of feeding the features r committed while it did not draft
+    (a lazy drafter feeds them when it drafts again). Sets
     D are the `forced` requests plus the top-k of the rest by E_r, k = 0..R (the best k wins,
     the smallest on ties). Requests with no history are forced to draft (nothing to go on).
     `SkipPlanner` adds the refreshes that keep those confidences from going stale.
@@ -368,8 +371,10 @@ class DSparkSkip(DSpark):
         available: np.ndarray,
         draft_seconds: float | None,
         forced: np.ndarray | None = None,
+        catchup_seconds: np.ndarray | None = None,
     ) -> np.ndarray:
-        """bool [R]: which requests draft this round."""
+        """bool [R]: which requests draft this round (catchup_seconds [R]: what drafting now
+        would cost each request to catch up; 0 by default)."""
         last = np.asarray(last_conf, dtype=np.float64)
         available = np.asarray(available, dtype=np.int64)
         R = last.shape[0]
@@ -377,6 +382,7 @@ class DSparkSkip(DSpark):
         forced |= np.isnan(last).all(axis=1)
         if draft_seconds is None or R == 0:
             return np.ones(R, bool)
+        catchup = np.zeros(R) if catchup_seconds is None else np.asarray(catchup_seconds, dtype=np.float64)
         last = np.where(np.isnan(last), self.prior, last)
         ell = self.schedule(last, available)
         surv = prefix_survival(last)
@@ -389,7 +395,7 @@ class DSparkSkip(DSpark):
             mask[rest[:k]] = True
             if mask.any():
                 tokens = R + gain[mask].sum()
-                seconds = draft_seconds + self.sps.step_time(R + int(ell[mask].sum()))
+                seconds = draft_seconds + catchup[mask].sum() + self.sps.step_time(R + int(ell[mask].sum()))
             else:
                 tokens, seconds = float(R), self.sps.step_time(R)
             if tokens / seconds > best:
@@ -402,21 +408,35 @@ class SkipPlanner:
 
     A request that stops drafting keeps the confidences of its last drafted round; if it never
     drafted again they would decide forever. So a request drafts anyway when it is due for a
-    refresh (`refresh` rounds without drafting). Each refresh that the plan would not have
-    chosen on its own merits doubles the request's interval (4, 8, 16, 32 rounds): when drafting
-    never pays on this machine, refreshes stop costing a fixed share of every round. As soon as
-    the plan picks the request on its own merits, its interval drops back to 4. Refreshes are
+    refresh (`interval` rounds without drafting). Each refresh that the plan would not have
+    chosen on its own merits doubles the request's interval (4, 8, 16, 32, ...): when drafting
+    never pays on this machine, refreshes stop costing a fixed share of every round. The
+    interval grows up to `max_interval`, the larger of REFRESH_MAX and the interval at which one
+    refresh draft costs at most REFRESH_SHARE (0.5%) of the rounds it covers: over a long run in
+    which drafting never pays, refreshes cost under 1% of the round time. As soon as the plan
+    picks the request on its own merits, its interval drops back to REFRESH. Refreshes are
     synchronised (only every REFRESH-th round, and every interval is a multiple of it), so the
     draft call they cost is paid once for all requests due, not once per staggered request.
     """
 
     REFRESH = 4
     REFRESH_MAX = 32
+    # a refresh draft's cost at most this share of the rounds it covers: half the 1% budget, so
+    # that the ramp-up (4, 8, 16, ... before the longest interval) stays inside it too
+    REFRESH_SHARE = 0.005
 
     def __init__(self, policy: DSparkSkip) -> None:
         self.policy = policy
         self._skipped: dict[int, int] = {}  # request → consecutive rounds without drafting
         self._refresh: dict[int, int] = {}  # request → rounds without drafting before a refresh
+
+    def max_interval(self, draft_seconds: float | None, round_seconds: float) -> int:
+        """The longest refresh interval: REFRESH_MAX, or longer when a draft call is dear enough
+        that refreshing every REFRESH_MAX rounds would cost more than REFRESH_SHARE of them."""
+        if not draft_seconds or round_seconds <= 0:
+            return self.REFRESH_MAX
+        need = draft_seconds / (self.REFRESH_SHARE * round_seconds)
+        return max(self.REFRESH_MAX, self.REFRESH * math.ceil(need / self.REFRESH))
 
     def choose(
         self,
@@ -425,19 +445,23 @@ class SkipPlanner:
         last_conf: np.ndarray,
         available: np.ndarray,
         draft_seconds: float | None,
+        catchup_seconds: np.ndarray | None = None,
     ) -> np.ndarray:
         """bool [R]: which of these requests draft this round (`last_conf`: their last
-        drafted round's confidences, NaN rows for none; `available`: drafts each may verify)."""
+        drafted round's confidences, NaN rows for none; `available`: drafts each may verify;
+        `catchup_seconds`: what drafting now would cost each to catch up its context)."""
         refresh_round = round_index % self.REFRESH == 0
         skipped = np.array([self._skipped.get(r, 0) for r in rids])
         interval = np.array([self._refresh.get(r, self.REFRESH) for r in rids])
         forced = refresh_round & (skipped + 1 >= interval)
         has_history = ~np.isnan(np.asarray(last_conf, dtype=np.float64)).all(axis=1)
-        merit = self.policy.plan(last_conf, available, draft_seconds) if forced.any() else None
-        mask = self.policy.plan(last_conf, available, draft_seconds, forced)
+        plan = self.policy.plan
+        merit = plan(last_conf, available, draft_seconds, None, catchup_seconds) if forced.any() else None
+        mask = plan(last_conf, available, draft_seconds, forced, catchup_seconds)
+        cap = self.max_interval(draft_seconds, self.policy.sps.step_time(max(len(rids), 1)))
         for r, rid in enumerate(rids):
             if merit is not None and forced[r] and not merit[r]:
-                self._refresh[rid] = min(2 * int(interval[r]), self.REFRESH_MAX)
+                self._refresh[rid] = min(2 * int(interval[r]), cap)
             elif mask[r] and has_history[r]:
                 self._refresh[rid] = self.REFRESH
             self._skipped[rid] = 0 if mask[r] else int(skipped[r]) + 1

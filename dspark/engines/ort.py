@@ -13,6 +13,7 @@ gathers and scatters on the device.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -193,7 +194,7 @@ class OrtDrafterRunner(Drafter):
     flushed through the context engine first).
     """
 
-    def __init__(self, engines: dict, meta: dict, num_slots: int = 16) -> None:
+    def __init__(self, engines: dict, meta: dict, num_slots: int = 16, lazy: bool = True) -> None:
         cfg = meta["config"]
         self.cfg = cfg
         self.block_size = cfg["block_size"]
@@ -215,9 +216,11 @@ class OrtDrafterRunner(Drafter):
         )
         self.pending: dict[int, np.ndarray] = {}
         self._slot: dict[int, int] = {}
+        self.catchup = (0, 0.0)  # positions fed through the context engine, seconds it took (running totals)
+        self.lazy = lazy  # False: overflow beyond one round's worth is fed at once (the eager reference)
 
     @classmethod
-    def load(cls, build: Path, num_slots: int = 16, threads: int = 2) -> OrtDrafterRunner:
+    def load(cls, build: Path, num_slots: int = 16, threads: int = 2, lazy: bool = True) -> OrtDrafterRunner:
         """From an engine build folder (engines/build.py): manifest + engine files."""
         build = Path(build)
         meta = json.loads((build / "drafter_meta.json").read_text())
@@ -225,7 +228,7 @@ class OrtDrafterRunner(Drafter):
         for role in ("drafter_backbone", "drafter_head"):
             files = meta["files"].get(role, {})
             engines[role] = {int(b): session(build / f, threads) for b, f in files.items()}
-        return cls(engines, meta, num_slots)
+        return cls(engines, meta, num_slots, lazy)
 
     @classmethod
     def open(
@@ -250,12 +253,26 @@ class OrtDrafterRunner(Drafter):
                 "rebuild the engines with a larger --max-context or shorten the request"
             )
 
-    def _flush(self, slot: int, feats: np.ndarray) -> None:
-        start = int(self.cache.length[slot])
-        pos = (start + np.arange(len(feats)))[None, :]
-        out = self.context.run(None, {"features": feats[None].astype(np.float32), "positions": pos})
-        self.cache.write([slot], [start], out[0::2], out[1::2], [len(feats)])
-        self.cache.length[slot] = start + len(feats)
+    def _flush(self, slots: list[int], feats: list[np.ndarray]) -> None:
+        """Project feats[i] into the context cache of slots[i] after what it holds: ONE context
+        engine call for all rows (padded to the longest; projection is per position, so the
+        padding changes nothing and is not written)."""
+        rows = [(s, f) for s, f in zip(slots, feats) if len(f)]
+        if not rows:
+            return
+        t0 = time.perf_counter()
+        n = np.array([len(f) for _, f in rows], np.int64)
+        start = np.array([int(self.cache.length[s]) for s, _ in rows], np.int64)
+        T = int(n.max())
+        batch = np.zeros((len(rows), T, self.cfg["feature_size"]), np.float32)
+        for r, (_, f) in enumerate(rows):
+            batch[r, : len(f)] = f
+        pos = start[:, None] + np.arange(T)[None, :]
+        out = self.context.run(None, {"features": batch, "positions": pos})
+        self.cache.write([s for s, _ in rows], start, out[0::2], out[1::2], n)
+        for (s, _), k, n_r in zip(rows, start, n):
+            self.cache.length[s] = k + n_r
+        self.catchup = (self.catchup[0] + int(n.sum()), self.catchup[1] + time.perf_counter() - t0)
 
     def begin(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
         slot = self.cache.allocate()
@@ -263,19 +280,34 @@ class OrtDrafterRunner(Drafter):
         self.pending[slot] = np.zeros((0, self.cfg["feature_size"]), np.float32)
         try:
             self._check_room(slot, len(features))
-            self._flush(slot, features.float().numpy())
+            self._flush([slot], [features.float().numpy()])
         except Exception:
             self.end(rid)
             raise
 
     def advance(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
+        """Committed features wait here (lazy): the next `backbone` call that drafts for this
+        request feeds them, the last `new_positions` inside the backbone call, any older ones
+        through one batched context call for every drafting request (`_catch_up`)."""
         slot = self._slot[rid]
         self._check_room(slot, len(features))
-        p = np.concatenate([self.pending[slot], features.float().numpy()])
-        if len(p) > self.M:  # more than one round's worth: the overflow goes through the context engine
-            self._flush(slot, p[: len(p) - self.M])
-            p = p[len(p) - self.M :]
-        self.pending[slot] = p
+        self.pending[slot] = np.concatenate([self.pending[slot], features.float().numpy()])
+        if not self.lazy:
+            self._catch_up([slot])
+
+    def catchup_positions(self, rid: int) -> int:
+        return max(0, len(self.pending[self._slot[rid]]) - self.M)
+
+    def catchup_totals(self) -> tuple[int, float]:
+        return self.catchup
+
+    def _catch_up(self, slots: list[int]) -> None:
+        """Before a backbone call: the rows holding more than one round's worth of features feed
+        the overflow, all in one context call."""
+        over = [s for s in slots if len(self.pending[s]) > self.M]
+        self._flush(over, [self.pending[s][: len(self.pending[s]) - self.M] for s in over])
+        for s in over:
+            self.pending[s] = self.pending[s][len(self.pending[s]) - self.M :]
 
     def end(self, rid: int) -> None:
         slot = self._slot.pop(rid, None)
@@ -299,6 +331,7 @@ class OrtDrafterRunner(Drafter):
         R, L = len(rids), self.cfg["num_layers"]
         B = bucket_for(R, list(self.backbones), "batch of")
         slots = [self._slot[r] for r in rids]
+        self._catch_up(slots)
         ctx_len = np.zeros(B, np.int64)
         ctx_len[:R] = self.cache.length[slots]
         new_count = np.zeros(B, np.int64)

@@ -190,7 +190,13 @@ class DrafterBackboneService:
         except Exception:
             self.release(new)
             raise
-        return {"base_logits": U.numpy(), "hidden": h.numpy()}
+        positions, seconds = self.drafter.catchup_totals()
+        return {
+            "base_logits": U.numpy(),
+            "hidden": h.numpy(),
+            "catchup_positions": np.array([positions], np.int64),
+            "catchup_seconds": np.array([seconds], np.float64),
+        }
 
 
 class DrafterHeadService:

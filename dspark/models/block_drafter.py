@@ -20,11 +20,20 @@ tokens outside the subset (an anchor may be any target token).
 
 The frozen parts (the target's embedding and the LM-head rows of the subset) are not saved
 with the drafter: they are taken from the target when the drafter is attached to it.
+
+Upstream checkpoints (dspark.models.importers: DeepSpec DSpark / DFlash, z-lab DFlash) map onto
+the same class through config flags whose defaults are our own drafters: `qk_norm` (Qwen3
+draft layers: per-head RMSNorm on queries and on block and context keys alike),
+`attention_bias` / `attention_out_bias`, `confidence_with_markov` (DeepSpec's confidence head
+may read h_k alone) and `feature_layers` (the target taps the drafter was trained on). Their
+MASK vector is the target's embedding row of the upstream mask token, and their draft
+vocabulary is the whole target vocabulary.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -42,6 +51,7 @@ from dspark.models.target import (
     TargetConfig,
     add_attention_projections,
     apply_rope,
+    heads,
     rope_cos_sin,
 )
 
@@ -63,8 +73,27 @@ class DrafterConfig:
     head: str = "markov"  # "markov" | "rnn" | "none"
     markov_rank: int = 256
     confidence: bool = True
+    confidence_with_markov: bool = True  # confidence input [h_k; W1[x_{k-1}]] (False: h_k alone)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3-style draft layers)
+    attention_bias: bool = False  # q/k/v biases
+    attention_out_bias: bool = False  # o_proj bias
+    feature_layers: tuple[int, ...] | None = None  # target taps it was trained on (None: the target's)
+    rope_scaling: tuple[float, ...] | None = None  # Llama-3.1 RoPE (see dspark.models.target)
+    # z-lab DFlash: the block is [anchor, MASK × γ] and each MASK slot predicts the token at its
+    # own position (the anchor slot's output is dropped); ours and DeepSpec's: [anchor, MASK ×
+    # (γ−1)] with slot k predicting position p0 + k + 1. γ = block_size drafts either way.
+    predict_own_position: bool = False
 
     def __post_init__(self) -> None:
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", tuple(float(x) for x in self.rope_scaling))
+        if self.feature_layers is not None:
+            object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+            if len(self.feature_layers) * self.hidden_size != self.feature_size:
+                raise ValueError(
+                    f"feature_size {self.feature_size} is not {len(self.feature_layers)} taps × hidden_size "
+                    f"{self.hidden_size}"
+                )
         if self.head not in ("markov", "rnn", "none"):
             raise ValueError(f"head must be markov, rnn or none, got {self.head!r}")
         if self.confidence and self.head == "none":
@@ -114,9 +143,8 @@ class DraftLayer(nn.Module):
 
     def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Keys/values of projected context features c [R, T, d] (eq. 3: K_i = W_K^i c)."""
-        R, T, _ = c.shape
-        k = self.k_proj(c).view(R, T, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(c).view(R, T, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
+        k = heads(self, "k", c, self.cfg.num_kv_heads, self.cfg.head_dim)
+        v = heads(self, "v", c, self.cfg.num_kv_heads, self.cfg.head_dim)
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_ok, extra=None):
@@ -127,9 +155,9 @@ class DraftLayer(nn.Module):
         B, G, _ = x.shape
         c = self.cfg
         u = self.input_layernorm(x)
-        q = apply_rope(self.q_proj(u).view(B, G, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(self.k_proj(u).view(B, G, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
-        v = self.v_proj(u).view(B, G, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = apply_rope(heads(self, "q", u, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(heads(self, "k", u, c.num_kv_heads, c.head_dim), cos, sin)
+        v = heads(self, "v", u, c.num_kv_heads, c.head_dim)
         rep = c.num_heads // c.num_kv_heads
         qg = q.reshape(B, c.num_kv_heads, rep * G, c.head_dim) * (c.head_dim**-0.5)
         segments = [(ctx_k, ctx_v, ctx_ok)] + ([extra] if extra is not None else [])
@@ -170,7 +198,7 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         if cfg.head == "rnn":
             self.rnn = nn.Linear(2 * r + d, 3 * r)
         if cfg.confidence:
-            self.conf = nn.Linear(d + r, 1)
+            self.conf = nn.Linear(d + (r if cfg.confidence_with_markov else 0), 1)
         self.register_buffer("draft_vocab", draft_vocab.long().clone(), persistent=True)
         # target id -> draft index (Vd for ids outside the subset); filled by attach()
         self.register_buffer("to_draft", torch.zeros(0, dtype=torch.long), persistent=False)
@@ -203,7 +231,9 @@ class BlockDrafter(DraftModelMixin, nn.Module):
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor):
         """Per-layer context keys/values for projected context c [R, T, d] at positions [R, T]."""
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, c.dtype)
+        cos, sin = rope_cos_sin(
+            positions, self.cfg.head_dim, self.cfg.rope_theta, c.dtype, self.cfg.rope_scaling
+        )
         return [layer.context_kv(c, cos, sin) for layer in self.layers]
 
     def backbone(self, anchors: torch.Tensor, p0: torch.Tensor, ctx_kv, ctx_ok: torch.Tensor, extra=None):
@@ -213,15 +243,16 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         [B or 1, KV, S, D]; ctx_ok: [B, S] True where a context key may be attended (pos < p0);
         extra: optional per layer (k, v, ok), a second context segment (see DraftLayer.forward).
         """
-        G = self.cfg.block_size
+        own = self.cfg.predict_own_position
+        G = self.cfg.block_size + (1 if own else 0)  # block inputs
         B = anchors.shape[0]
         x = self.mask_embed.expand(B, G, -1).clone()
         x[:, 0] = self.embed[anchors]
         pos = p0.unsqueeze(1) + torch.arange(G)
-        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype, self.cfg.rope_scaling)
         for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
             x = layer(x, cos, sin, k, v, ctx_ok, extra[i] if extra is not None else None)
-        h = self.norm(x)
+        h = self.norm(x[:, 1:] if own else x)  # z-lab: the anchor slot's output is not a draft
         return h @ self.lm_head.T, h
 
     # -- sequential stage --------------------------------------------------------------------
@@ -242,11 +273,12 @@ class BlockDrafter(DraftModelMixin, nn.Module):
             z = U_k + self.w2(torch.tanh(out))
             g = torch.sigmoid(gate)
             state = g * state + (1 - g) * torch.tanh(cand)
-        conf = (
-            self.conf(torch.cat([h_k, e], dim=-1)).squeeze(-1)
-            if self.cfg.confidence
-            else U_k.new_zeros(len(U_k))
-        )
+        if not self.cfg.confidence:
+            conf = U_k.new_zeros(len(U_k))
+        elif self.cfg.confidence_with_markov:
+            conf = self.conf(torch.cat([h_k, e], dim=-1)).squeeze(-1)
+        else:
+            conf = self.conf(h_k).squeeze(-1)
         return z, conf, state
 
     def teacher_forced(self, U: torch.Tensor, h: torch.Tensor, prev: torch.Tensor):
@@ -268,10 +300,13 @@ class BlockDrafterRunner(Drafter):
 
     Each request owns a slot of the drafter's context cache: per layer, the keys/values of its
     committed positions' projected target features (never the block's own keys, which are
-    recomputed every round), filled by `begin` and `advance`.
+    recomputed every round), filled by `begin` and — lazily, in one batched call for every
+    drafting request — by the `propose` after `advance`.
     """
 
-    def __init__(self, model: BlockDrafter, num_slots: int = 16, max_len: int = 2048) -> None:
+    def __init__(
+        self, model: BlockDrafter, num_slots: int = 16, max_len: int = 2048, lazy: bool = True
+    ) -> None:
         if model.embed is None:
             raise ValueError("attach the target's embedding and LM head first: model.attach(...)")
         self.model = model.eval()
@@ -286,43 +321,90 @@ class BlockDrafterRunner(Drafter):
         self.max_len = max_len
         self.pool = SlotPool(num_slots, max_len, self.length, "drafter context")
         self._slot: dict[int, int] = {}
+        self.pending: dict[int, list[torch.Tensor]] = {}  # slot → committed features not yet projected
+        self.catchup = (0, 0.0)  # positions projected at propose time, seconds (running totals)
+        self.lazy = lazy  # False: project committed features at once (the eager reference)
 
     @property
     def free_slots(self) -> int:
         return self.pool.free_slots
 
     @torch.no_grad()
-    def _append(self, slot: int, features: torch.Tensor) -> None:
-        n, start = features.shape[0], int(self.length[slot])
-        if start + n > self.max_len:
+    def _append(self, slots: list[int], features: list[torch.Tensor]) -> None:
+        """Project features[i] into the context of slots[i], after what it holds: one batched
+        call for all rows (padded to the longest; the projection is per position, so padding
+        changes nothing and is not written)."""
+        rows = [(s, f) for s, f in zip(slots, features) if len(f)]
+        if not rows:
+            return
+        n = torch.tensor([len(f) for _, f in rows])
+        start = torch.stack([self.length[s] for s, _ in rows])
+        T = int(n.max())
+        batch = torch.zeros(len(rows), T, rows[0][1].shape[-1], dtype=rows[0][1].dtype)
+        for r, (_, f) in enumerate(rows):
+            batch[r, : len(f)] = f
+        c = self.model.project_context(batch)
+        kv = self.model.context_kv(c, start.unsqueeze(1) + torch.arange(T).unsqueeze(0))
+        for r, (s, _) in enumerate(rows):
+            a, b = int(start[r]), int(start[r] + n[r])
+            for i, (k, v) in enumerate(kv):
+                self.k[i][s, :, a:b] = k[r, :, : b - a]
+                self.v[i][s, :, a:b] = v[r, :, : b - a]
+            self.length[s] = b
+
+    def _check_room(self, slot: int, extra: int) -> None:
+        if int(self.length[slot]) + len(self.pending[slot]) + extra > self.max_len:
             raise ValueError(f"drafter context would exceed {self.max_len} positions: raise max_len")
-        c = self.model.project_context(features.unsqueeze(0))
-        pos = torch.arange(start, start + n).unsqueeze(0)
-        for i, (k, v) in enumerate(self.model.context_kv(c, pos)):
-            self.k[i][slot, :, start : start + n] = k[0]
-            self.v[i][slot, :, start : start + n] = v[0]
-        self.length[slot] = start + n
 
     def begin(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
         slot = self.pool.allocate()
         self._slot[rid] = slot
-        self._append(slot, features)
+        self.pending[slot] = []
+        try:
+            self._check_room(slot, len(features))
+            self._append([slot], [features])
+        except Exception:
+            self.end(rid)
+            raise
 
     def advance(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
-        self._append(self._slot[rid], features)
+        """Committed features wait (lazy) until this request next drafts: then every drafting
+        request's waiting features are projected in one batched call."""
+        slot = self._slot[rid]
+        self._check_room(slot, len(features))
+        if self.lazy:
+            self.pending[slot].append(features)
+        else:
+            self._append([slot], [features])
+
+    def catchup_positions(self, rid: int) -> int:
+        return sum(len(f) for f in self.pending[self._slot[rid]])
+
+    def catchup_totals(self) -> tuple[int, float]:
+        return self.catchup
 
     def end(self, rid: int) -> None:
         slot = self._slot.pop(rid, None)
         if slot is not None:
+            self.pending.pop(slot, None)
             self.pool.release(slot)
 
     @torch.no_grad()
     def propose(self, rids, anchors, params, gens) -> Proposal:
         m = self.model
-        slots = torch.tensor([self._slot[r] for r in rids])
-        p0 = self.length[slots]
+        slots = [self._slot[r] for r in rids]
+        waiting = [(s, torch.cat(self.pending[s])) for s in slots if self.pending[s]]
+        t0 = time.perf_counter()
+        self._append([s for s, _ in waiting], [f for _, f in waiting])
+        if waiting:
+            n = sum(len(f) for _, f in waiting)
+            self.catchup = (self.catchup[0] + n, self.catchup[1] + time.perf_counter() - t0)
+        for s, _ in waiting:
+            self.pending[s] = []
+        idx = torch.tensor(slots)
+        p0 = self.length[idx]
         S = int(p0.max())
-        ctx_kv = [(k[slots, :, :S], v[slots, :, :S]) for k, v in zip(self.k, self.v)]
+        ctx_kv = [(k[idx, :, :S], v[idx, :, :S]) for k, v in zip(self.k, self.v)]
         ctx_ok = torch.arange(S).unsqueeze(0) < p0.unsqueeze(1)
         anchor_ids = torch.tensor(anchors)
         U, h = m.backbone(anchor_ids, p0, ctx_kv, ctx_ok)

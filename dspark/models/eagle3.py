@@ -35,6 +35,14 @@ embedding (full vocabulary: the chain's input tokens may be any target token) an
 of the subset come from the target in `attach` and are never trained or saved. There is no
 confidence head: the runner returns zero confidence logits (σ = ½ for every slot), so use it with
 confidence-free policies (static:k).
+
+Upstream layout (`layout="upstream"`: DeepSpec's Qwen3Eagle3Model and the vLLM / SGLang
+EAGLE-3 checkpoints, imported by dspark.models.importers). The same runner and the same slot
+layout, with the upstream arithmetic: g_t = W_fuse f_t with no norm; the layer reads the
+2d-wide z = [RMSNorm_in(E[x_{t+1}]); RMSNorm_hidden(g_t)] (q/k/v take 2d inputs), its residual
+is g_t itself (not the concatenation), and its output o is not normed: the next step feeds o
+as it is and the logits are RMSNorm(o) · E_lm^T. `own_lm_head` keeps the checkpoint's own LM
+head over its draft vocabulary (vLLM's d2t layout) instead of the target's rows.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from dspark.models.target import (
     TargetConfig,
     add_attention_projections,
     apply_rope,
+    heads,
     rope_cos_sin,
 )
 
@@ -76,10 +85,25 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     block_size: int = 7  # γ = TTT length = tokens verified per round
     num_layers: int = 1
+    layout: str = "dspark"  # "dspark" (ours, above) | "upstream" (DeepSpec / vLLM EAGLE-3)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3-style layer)
+    attention_bias: bool = False  # q/k/v biases
+    attention_out_bias: bool = False  # o_proj bias
+    own_lm_head: bool = False  # the checkpoint's own LM head over its draft vocabulary
+    feature_layers: tuple[int, ...] | None = None  # target taps it was trained on (None: the target's)
+    rope_scaling: tuple[float, ...] | None = None  # Llama-3.1 RoPE (see dspark.models.target)
 
     def __post_init__(self) -> None:
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", tuple(float(x) for x in self.rope_scaling))
         if self.kind != "eagle3":
             raise ValueError(f"Eagle3Config.kind must be 'eagle3', got {self.kind!r}")
+        if self.layout not in ("dspark", "upstream"):
+            raise ValueError(f"Eagle3Config.layout must be 'dspark' or 'upstream', got {self.layout!r}")
+        if self.layout == "upstream" and self.num_layers != 1:
+            raise ValueError("the upstream EAGLE-3 layout has exactly one layer")
+        if self.feature_layers is not None:
+            object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
         if self.block_size < 1 or self.num_layers < 1:
             raise ValueError("block_size and num_layers must be >= 1")
         if self.num_heads % self.num_kv_heads:
@@ -124,19 +148,31 @@ class Eagle3Layer(nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.cfg = cfg
-        add_attention_projections(self, cfg)
         d = cfg.hidden_size
+        self.upstream = cfg.layout == "upstream"
+        add_attention_projections(self, cfg, in_features=2 * d if self.upstream else d)
         self.mlp = MLP(cfg)  # same field names as TargetConfig
         self.input_layernorm = RMSNorm(d, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_eps)
+        if self.upstream:
+            self.hidden_norm = RMSNorm(d, cfg.rms_eps)
+
+    def attn_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What q/k/v read: RMSNorm(x), or upstream [RMSNorm_in(E); RMSNorm_hidden(g)] of x = [E; g]."""
+        if not self.upstream:
+            return self.input_layernorm(x)
+        d = self.cfg.hidden_size
+        return torch.cat([self.input_layernorm(x[..., :d]), self.hidden_norm(x[..., d:])], dim=-1)
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., self.cfg.hidden_size :] if self.upstream else x
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Keys/values [B, KV, N, D] of the layer inputs x [B, N, d]."""
-        B, N, _ = x.shape
+        """Keys/values [B, KV, N, D] of the layer inputs x [B, N, d] ([B, N, 2d] upstream)."""
         c = self.cfg
-        u = self.input_layernorm(x)
-        k = self.k_proj(u).view(B, N, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(u).view(B, N, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        u = self.attn_input(x)
+        k = heads(self, "k", u, c.num_kv_heads, c.head_dim)
+        v = heads(self, "v", u, c.num_kv_heads, c.head_dim)
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, keys):
@@ -145,8 +181,8 @@ class Eagle3Layer(nn.Module):
         B, N, _ = x.shape
         c = self.cfg
         rep = c.num_heads // c.num_kv_heads
-        u = self.input_layernorm(x)
-        q = apply_rope(self.q_proj(u).view(B, N, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
+        u = self.attn_input(x)
+        q = apply_rope(heads(self, "q", u, c.num_heads, c.head_dim), cos, sin)
         qg = q.reshape(B, c.num_kv_heads, rep * N, c.head_dim) * (c.head_dim**-0.5)
         scores = []
         for k, _, ok in keys:
@@ -164,7 +200,7 @@ class Eagle3Layer(nn.Module):
             out = out + probs[..., start : start + k.shape[2]] @ v
             start += k.shape[2]
         out = out.reshape(B, c.num_heads, N, c.head_dim).transpose(1, 2).reshape(B, N, -1)
-        x = x + self.o_proj(out)
+        x = self.residual(x) + self.o_proj(out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -177,11 +213,15 @@ class Eagle3Drafter(DraftModelMixin, nn.Module):
         d, Vd = cfg.hidden_size, cfg.draft_vocab_size
         if draft_vocab.shape != (Vd,):
             raise ValueError(f"draft_vocab must hold {Vd} target ids, got shape {tuple(draft_vocab.shape)}")
+        self.upstream = cfg.layout == "upstream"
         self.fuse = nn.Linear(cfg.feature_size, d, bias=False)  # W_fuse
-        self.fuse_norm = RMSNorm(d, cfg.rms_eps)
-        self.fc = nn.Linear(2 * d, d, bias=False)  # W_in on [E[x_{t+1}]; g_t or o]
+        if not self.upstream:  # upstream: no norm after W_fuse, no W_in (the layer reads [E; g])
+            self.fuse_norm = RMSNorm(d, cfg.rms_eps)
+            self.fc = nn.Linear(2 * d, d, bias=False)  # W_in on [E[x_{t+1}]; g_t or o]
         self.layers = nn.ModuleList(Eagle3Layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_eps)
+        if cfg.own_lm_head:  # kept by attach() instead of the target's rows
+            self.lm_head_weight = nn.Parameter(torch.zeros(Vd, d))
         self.register_buffer("draft_vocab", draft_vocab.long().clone(), persistent=True)
         # target id -> draft index (Vd for ids outside the subset); filled by attach()
         self.register_buffer("to_draft", torch.zeros(0, dtype=torch.long), persistent=False)
@@ -204,19 +244,31 @@ class Eagle3Drafter(DraftModelMixin, nn.Module):
 
     # -- pieces ------------------------------------------------------------------------------
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
-        """g_t = RMSNorm(W_fuse f_t); features [..., F]."""
-        return self.fuse_norm(self.fuse(features.to(self.fc.weight.dtype)))
+        """g_t = RMSNorm(W_fuse f_t) (upstream: W_fuse f_t); features [..., F]."""
+        g = self.fuse(features.to(self.dtype))
+        return g if self.upstream else self.fuse_norm(g)
 
     def draft_input(self, next_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """u = W_in [E[next_ids]; hidden]: next_ids [...] target ids, hidden [..., d] (g_t or o)."""
-        return self.fc(torch.cat([self.embed[next_ids], hidden], dim=-1))
+        """u = W_in [E[next_ids]; hidden]: next_ids [...] target ids, hidden [..., d] (g_t or o).
+        Upstream: [E[next_ids]; hidden] itself (the layer normalises each half)."""
+        u = torch.cat([self.embed[next_ids], hidden], dim=-1)
+        return u if self.upstream else self.fc(u)
+
+    def out_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer output o that the next step feeds and the logits read: RMSNorm(x) (ours)
+        or x itself (upstream, which normalises only in front of the LM head)."""
+        return x if self.upstream else self.norm(x)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype, self.cfg.rope_scaling)
 
     def logits(self, o: torch.Tensor) -> torch.Tensor:
-        return o @ self.lm_head.T
+        return (self.norm(o) if self.upstream else o) @ self.lm_head.T
 
     # -- training-time test ------------------------------------------------------------------
 
@@ -245,7 +297,7 @@ class Eagle3Drafter(DraftModelMixin, nn.Module):
                     sin[0, rows].unsqueeze(1),
                     [(k, v, ok)],
                 )
-        return kv, self.norm(x[:, 0])
+        return kv, self.out_hidden(x[:, 0])
 
     def chain_step(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, ctx_ok, chain_kv) -> torch.Tensor:
         """One TTT step j ≥ 2 for B chains: inputs x [B, d] at positions [B].
@@ -260,7 +312,7 @@ class Eagle3Drafter(DraftModelMixin, nn.Module):
             vs.append(v)
             own = (torch.cat(ks, dim=2), torch.cat(vs, dim=2), None)
             x = layer(x, cos, sin, [(ck, cv, ctx_ok), own])
-        return self.norm(x[:, 0])
+        return self.out_hidden(x[:, 0])
 
     def ttt_logits(
         self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, prev: torch.Tensor
@@ -288,7 +340,7 @@ class Eagle3Drafter(DraftModelMixin, nn.Module):
     def loss(self, seq: Sequence, blocks: BlockBatch) -> LossOut:
         """TTT soft cross-entropy on the blocks of one cached sequence (module docstring)."""
         cfg = self.cfg
-        dtype = self.fc.weight.dtype
+        dtype = self.dtype
         z = self.ttt_logits(seq.features, seq.tokens, blocks.anchors, blocks.prev)
         logp_d = torch.log_softmax(z.float(), dim=-1)  # [B, γ, Vd]
         p_t, outside = target_probs(seq, blocks, self.lm_head, dtype)
@@ -328,7 +380,7 @@ class Eagle3Runner(Drafter):
         cfg = model.cfg
         self.block_size = cfg.block_size
         self.vocab_size = model.embed.shape[0]
-        dtype = model.fc.weight.dtype
+        dtype = model.dtype
         # room for the chain's temporary entries after a full context of max_len positions
         shape = (num_slots, cfg.num_kv_heads, max_len + cfg.block_size - 1, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
@@ -391,7 +443,7 @@ class Eagle3Runner(Drafter):
             if i == len(m.layers) - 1:  # only the last input's output is needed
                 x, cos, sin, ok = (t[ar, last].unsqueeze(1) for t in (x, cos, sin, ok))
             x = layer(x, cos, sin, [(self.k[i][slots, :, :S], self.v[i][slots, :, :S], ok)])
-        return m.norm(x[:, 0])
+        return m.out_hidden(x[:, 0])
 
     @torch.no_grad()
     def propose(self, rids, anchors, params, gens) -> Proposal:

@@ -3,7 +3,9 @@
 The first load dequantises the GGUF with transformers (about 20 s) and caches the result as
 fp32 safetensors plus the tokenizer in `$DSPARK_CACHE` (default ~/.cache/dspark); later loads
 read the cache in a couple of seconds. Nothing is fetched from a hub: HF_HUB_OFFLINE is set.
-Any HF Llama checkpoint directory (config.json + safetensors) loads through the same path.
+Any HF Llama, Qwen2 or Qwen3 checkpoint directory (config.json + safetensors) loads through the
+same path; the family comes from config.json's model_type. A directory without a tokenizer
+loads too (token-id requests only).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.models.target import LlamaTarget, TargetConfig
+from dspark.models.target import FAMILIES, LlamaTarget, TargetConfig
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,7 +39,7 @@ def cache_dir() -> Path:
 @dataclass
 class LoadedTarget:
     model: LlamaTarget
-    tokenizer: object  # a transformers tokenizer
+    tokenizer: object  # a transformers tokenizer, or None (a checkpoint without one: token ids only)
     name: str
 
     @property
@@ -46,11 +48,15 @@ class LoadedTarget:
 
     def chat_ids(self, user_text: str) -> list[int]:
         """Token ids of one user turn in the chat template, ready for the assistant's answer."""
+        if self.tokenizer is None:
+            raise ValueError(f"target {self.name!r} has no tokenizer: give token ids, not text")
         msgs = [{"role": "user", "content": user_text}]
         text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -97,6 +103,40 @@ def _save_checkpoint(hf_config, state_dict: dict, dest: Path) -> None:
     (dest / "dspark_target.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
 
+def hf_config(path: Path):
+    """The transformers config of an HF checkpoint directory, refusing families our forward
+    does not implement before transformers gets to parse it."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    family = raw.get("model_type")
+    if family not in FAMILIES:
+        arch = (raw.get("architectures") or ["?"])[0]
+        raise ValueError(
+            f"{path}: model_type {family!r} ({arch}) is not supported: supported target families are "
+            f"{', '.join(FAMILIES)} (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
+        )
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def retap(model: LlamaTarget, feature_layers) -> LlamaTarget:
+    """Point the target's feature taps at `feature_layers` (a drafter's convention: decoder-layer
+    output indices, -1 = the embedding output). Taps carry no weights, so this only changes
+    which hidden states the forward concatenates."""
+    from dataclasses import replace
+
+    layers = tuple(int(i) for i in feature_layers)
+    if tuple(model.cfg.feature_layers) != layers:
+        model.cfg = replace(model.cfg, feature_layers=layers)
+    return model
+
+
+def has_tokenizer(path: Path) -> bool:
+    return any(
+        (Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+
+
 def load_checkpoint_dir(path: Path, dtype: torch.dtype = torch.float32) -> LlamaTarget:
     """A LlamaTarget from a directory holding dspark_target.json (or an HF config.json) and
     *.safetensors weights."""
@@ -105,11 +145,7 @@ def load_checkpoint_dir(path: Path, dtype: torch.dtype = torch.float32) -> Llama
     if (path / "dspark_target.json").exists():
         cfg = TargetConfig.from_dict(json.loads((path / "dspark_target.json").read_text()))
     elif (path / "config.json").exists():
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(path)
-        if getattr(hf, "model_type", "") != "llama":
-            raise ValueError(f"{path}: model_type {hf.model_type!r} is not supported (Llama only)")
+        hf = hf_config(path)
         cfg = TargetConfig.from_hf(hf, default_feature_layers(hf.num_hidden_layers))
     else:
         raise FileNotFoundError(f"{path} has neither dspark_target.json nor config.json")
@@ -120,6 +156,14 @@ def load_checkpoint_dir(path: Path, dtype: torch.dtype = torch.float32) -> Llama
     for f in files:
         state.update(load_file(str(f)))
     model = LlamaTarget(cfg)
+    want = model.state_dict()
+    wrong = [
+        f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})"
+        for k, v in want.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if wrong:
+        raise ValueError(f"{path}: tensors of the wrong shape for the config: {wrong[:5]}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
@@ -144,7 +188,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.f
         if not path.is_dir():
             raise FileNotFoundError(f"target {name_or_path!r}: not {DEFAULT_TARGET!r} and not a directory")
     model = load_checkpoint_dir(path, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer(path) else None
     return LoadedTarget(model, tokenizer, name_or_path)
 
 

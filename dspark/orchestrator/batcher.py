@@ -245,20 +245,30 @@ class Batcher:
             if e.seq.finish is None:
                 groups.setdefault(e.mode if e.drafting else "off", []).append(e)
         plain = groups.pop("off", [])
+        feeding: list[Entry] = []  # speculative requests that draft nobody this round
         verified = 0
         for mode, entries in groups.items():
             try:
-                plain += self._speculative(mode, entries)
+                fallen, idle = self._speculative(mode, entries)
             except Exception as exc:  # a failed round fails its requests, not the server
                 self._fail(entries, f"decoding round failed: {exc}")
                 continue
+            plain += fallen
+            feeding += idle
             verified += self._report_rounds(entries)
-        if plain:
+        if plain or feeding:
+            # one target call for everything that does not draft this round; the drafter gets
+            # the features of its requests' tokens, lazily (no drafter call)
+            seqs = [e.seq for e in plain + feeding]
+            feeds = [False] * len(plain) + [True] * len(feeding)
             try:
-                rounds.target_round(self.target, [e.seq for e in plain])
-                self.metrics.target_rounds(len(plain))
+                rounds.target_round(self.target, seqs, self.drafter if feeding else None, feeds)
+                self.metrics.target_rounds(len(seqs))
             except Exception as exc:
-                self._fail(plain, f"decoding round failed: {exc}")
+                self._fail(plain + feeding, f"decoding round failed: {exc}")
+            else:
+                if feeding:
+                    self._check_lost(feeding)
         if groups:
             self.metrics.round_verified(verified)
         keep = []
@@ -270,23 +280,31 @@ class Batcher:
         self.active = keep
         self.metrics.occupancy(len(self.active), len(self.queue), self._free_slots())
 
-    def _speculative(self, mode: str, entries: list[Entry]) -> list[Entry]:
-        """One speculative round for the requests of one mode. Returns the requests that must
-        continue target-only in this round's target-only group (the drafter failed before
-        anything changed)."""
+    def _speculative(self, mode: str, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+        """One speculative round for the requests of one mode. Returns (requests that fell back
+        to target-only because the drafter failed before anything changed, requests that draft
+        nobody this round): both join this round's target-only call, the second feeding the
+        drafter their features lazily."""
         assert self.drafter is not None
         policy = self.policy(mode)
         seqs = [e.seq for e in entries]
         drafting = self._plan(mode, policy, seqs) if isinstance(policy, DSparkSkip) else None
+        if drafting is not None and not drafting.any():
+            return [], entries  # a round that drafts for nobody costs what off costs
         try:
             rounds.speculative_round(self.target, self.drafter, policy, self.calibration, seqs, drafting)
         except DrafterFailure as exc:  # nothing changed yet: these requests go on target-only
             self._fall_back(entries, f"drafter failed: {exc}")
-            return entries
+            return entries, []
+        self._check_lost(entries)
+        return [], []
+
+    def _check_lost(self, entries: list[Entry]) -> None:
+        """Requests whose drafter state failed this round continue target-only."""
+        assert self.drafter is not None
         lost = [e for e in entries if e.seq.rid in self.drafter.lost and e.seq.finish is None]
         if lost:
             self._fall_back(lost, f"drafter failed: {self.drafter.lost[lost[0].seq.rid]}")
-        return []
 
     def planner(self, mode: str) -> SkipPlanner:
         """The dspark-skip planner of a mode (who drafts; refresh intervals per request)."""
@@ -305,7 +323,11 @@ class Batcher:
             if s.conf_history:
                 last[r] = s.conf_history[-1]
         available = np.maximum([min(gamma, s.remaining - 1) for s in seqs], 0)
-        mask = planner.choose(self.rounds, [s.rid for s in seqs], last, available, self.drafter.seconds)
+        per = self.drafter.catchup_seconds or 0.0
+        catchup = np.array([per * self.drafter.catchup_positions(s.rid) for s in seqs])
+        mask = planner.choose(
+            self.rounds, [s.rid for s in seqs], last, available, self.drafter.seconds, catchup
+        )
         if (~mask).any():
             self.metrics.inc("skipped_drafts_total", float((~mask).sum()))
         return mask

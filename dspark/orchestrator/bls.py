@@ -102,7 +102,9 @@ class RemoteDrafter(Drafter):
         self.rank = cfg["markov_rank"]
         self.feature_size = cfg["feature_size"]
         self.num_slots = num_slots
+        self.new_positions = int(meta.get("new_positions", 0))  # fed inside the backbone call
         self.pending: dict[int, list[np.ndarray]] = {}
+        self._catchup = (0, 0.0)  # the backbone model's running totals, from its last answer
 
     @property
     def free_slots(self) -> int:
@@ -115,6 +117,12 @@ class RemoteDrafter(Drafter):
 
     def advance(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
         self.pending[rid].append(features.float().numpy())
+
+    def catchup_positions(self, rid: int) -> int:
+        return max(0, sum(len(f) for f in self.pending[rid]) - self.new_positions)
+
+    def catchup_totals(self) -> tuple[int, float]:
+        return self._catchup
 
     def end(self, rid: int) -> None:
         if self.pending.pop(rid, None) is not None:
@@ -131,8 +139,9 @@ class RemoteDrafter(Drafter):
                 "features": np.concatenate(chunks).astype(np.float32),
                 "n_features": np.array([len(c) for c in chunks], np.int64),
             },
-            ["base_logits", "hidden"],
+            ["base_logits", "hidden", "catchup_positions", "catchup_seconds"],
         )
+        self._catchup = (int(out["catchup_positions"][0]), float(out["catchup_seconds"][0]))
         for r in rids:
             self.pending[r] = []
         U, h = torch.from_numpy(out["base_logits"]), torch.from_numpy(out["hidden"])

@@ -35,7 +35,8 @@ class DrafterGuard(Drafter):
         self.block_size = inner.block_size
         self.vocab_size = getattr(inner, "vocab_size", 0)
         self.lost: dict[int, str] = {}
-        self.seconds: float | None = None  # moving average of one propose call (dspark-skip reads it)
+        self.seconds: float | None = None  # moving average of one propose call, catch-up excluded
+        self.catchup_seconds: float | None = None  # moving average per position fed by a catch-up
         self.down_until = 0.0  # monotonic time before which new requests do not draft
 
     @property
@@ -68,14 +69,32 @@ class DrafterGuard(Drafter):
             log.warning("drafter release of request %d failed (%s); continuing", rid, exc)
 
     def propose(self, rids, anchors, params, gens) -> Proposal:
+        before = self.inner.catchup_totals()
         t0 = time.perf_counter()
         try:
             prop = self.inner.propose(rids, anchors, params, gens)
         except Exception as exc:  # noqa: BLE001
             raise DrafterFailure(str(exc)) from exc
         seconds = time.perf_counter() - t0
-        self.seconds = seconds if self.seconds is None else 0.8 * self.seconds + 0.2 * seconds
+        after = self.inner.catchup_totals()
+        fed, fed_s = after[0] - before[0], after[1] - before[1]
+        if fed > 0:  # the catch-up's own price, per position (dspark-skip's cost model reads it)
+            per = fed_s / fed
+            self.catchup_seconds = (
+                per if self.catchup_seconds is None else 0.8 * self.catchup_seconds + 0.2 * per
+            )
+        base = max(seconds - max(fed_s, 0.0), 0.0)  # one draft call without any catch-up
+        self.seconds = base if self.seconds is None else 0.8 * self.seconds + 0.2 * base
         return prop
+
+    def catchup_positions(self, rid: int) -> int:
+        try:
+            return self.inner.catchup_positions(rid)
+        except Exception:  # noqa: BLE001 - a lost request: its next draft never comes
+            return 0
+
+    def catchup_totals(self) -> tuple[int, float]:
+        return self.inner.catchup_totals()
 
     # -- availability ---------------------------------------------------------------------------
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from dspark.core.calibration import STS
-from dspark.core.interfaces import Drafter
-from dspark.models.block_drafter import BlockDrafter, BlockDrafterRunner, DrafterConfig
+from dspark.models.block_drafter import BlockDrafter, DrafterConfig
 from dspark.models.loading import LoadedTarget
 from dspark.paths import REPO
 from dspark.training.data import read_answers
@@ -77,17 +76,32 @@ def load_drafter(name_or_path: str, loaded: LoadedTarget):
         model = Eagle3Drafter.load(path)
     else:
         model = BlockDrafter.load(path)
+    match_target(model, loaded, path)
     model.attach(loaded.model.model.embed_tokens.weight, loaded.model.lm_head.weight)
     sts = STS.from_dict(meta["sts"]) if meta.get("sts") else None
     return model, sts
 
 
-def runner_for(model, num_slots: int, max_len: int) -> Drafter:
-    if model.cfg.kind == "eagle3":
-        from dspark.models.eagle3 import Eagle3Runner
+def match_target(model, loaded: LoadedTarget, where) -> None:
+    """Point the target's feature taps at the layers the drafter was trained on (imported
+    drafters record them: DeepSpec's target_layer_ids), and refuse a target that does not fit."""
+    from dspark.models.loading import retap
 
-        return Eagle3Runner(model, num_slots=num_slots, max_len=max_len)
-    return BlockDrafterRunner(model, num_slots=num_slots, max_len=max_len)
+    t, c = loaded.model.cfg, model.cfg
+    if getattr(c, "feature_layers", None) is not None:
+        retap(loaded.model, c.feature_layers)
+        t = loaded.model.cfg
+    if t.feature_size != c.feature_size:
+        raise ValueError(
+            f"drafter {where} reads {c.feature_size} feature values per position, but target "
+            f"{loaded.name!r} taps layers {list(t.feature_layers)} ({t.feature_size} values): "
+            "not a drafter for this target"
+        )
+    if int(model.draft_vocab.max()) >= t.vocab_size:
+        raise ValueError(
+            f"drafter {where} drafts token ids up to {int(model.draft_vocab.max())}, beyond target "
+            f"{loaded.name!r}'s vocabulary of {t.vocab_size}"
+        )
 
 
 def run_training(

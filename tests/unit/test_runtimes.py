@@ -58,12 +58,18 @@ def _torch_target(target, device="cpu"):
 # -- RoPE and the graphs TensorRT accepts ------------------------------------------------------
 
 
-@pytest.mark.parametrize(("head_dim", "theta"), [(64, 100000.0), (8, 10000.0), (128, 1000000.0)])
-def test_rope_table_equals_the_float64_computation_to_fp32_rounding(monkeypatch, head_dim, theta):
+LLAMA31 = (8.0, 1.0, 4.0, 8192.0)  # Llama-3.1's RoPE scaling (factor, low, high, original context)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "theta", "scaling"),
+    [(64, 100000.0, None), (8, 10000.0, None), (128, 1000000.0, None), (128, 500000.0, LLAMA31)],
+)
+def test_rope_table_equals_the_float64_computation_to_fp32_rounding(monkeypatch, head_dim, theta, scaling):
     pos = torch.tensor([[0, 1, 2, 777], [4095, 2048, ROPE_TABLE_POSITIONS - 1, 5]])
-    want = rope_cos_sin(pos, head_dim, theta, torch.float32)  # float64, rounded once
+    want = rope_cos_sin(pos, head_dim, theta, torch.float32, scaling)  # float64, rounded once
     monkeypatch.setattr(torch.onnx, "is_in_onnx_export", lambda: True)
-    got = rope_cos_sin(pos, head_dim, theta, torch.float32)  # the exported graph's table gather
+    got = rope_cos_sin(pos, head_dim, theta, torch.float32, scaling)  # the exported graph's table gather
     assert got[0].dtype == torch.float32
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 

@@ -568,7 +568,7 @@ def test_schedule_rejects_malformed_inputs(conf, max_len, stale, message):
         ("dspark-async", DSparkAsync(TABLE)),
     ],
 )
-def test_parse_policy_accepts_valid_specs(spec, expected):
+def test_policy_for_accepts_valid_specs(spec, expected):
     policy = policy_for(spec, TABLE)
     assert isinstance(policy, Policy)
     assert policy == expected
@@ -593,7 +593,7 @@ def test_parse_policy_accepts_valid_specs(spec, expected):
         "static",
     ],
 )
-def test_parse_policy_rejects_malformed_spec_and_lists_valid_forms(spec):
+def test_policy_for_rejects_malformed_spec_and_lists_valid_forms(spec):
     with pytest.raises(ValueError, match="Valid forms") as info:
         policy_for(spec, TABLE)
     for form in MODES:
@@ -601,7 +601,7 @@ def test_parse_policy_rejects_malformed_spec_and_lists_valid_forms(spec):
 
 
 @pytest.mark.parametrize("spec", ["dspark", "dspark-async"])
-def test_parse_policy_needs_sps_table_for_dspark(spec):
+def test_policy_for_needs_sps_table_for_dspark(spec):
     with pytest.raises(ValueError, match="SPS table"):
         policy_for(spec)
 

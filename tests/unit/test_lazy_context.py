@@ -1,0 +1,166 @@
+"""Issue 18: the lazy drafter context, rounds that draft for nobody, and the refresh bound."""
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.core import rounds
+from dspark.core.interfaces import Request
+from dspark.core.reference import generate
+from dspark.core.rounds import SequenceState
+from dspark.core.sampling import SamplingParams, make_generator
+from dspark.core.scheduler import DSparkSkip, SkipPlanner, Static
+from dspark.core.sps import SPSTable
+from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, session
+from dspark.models.block_drafter import BlockDrafterRunner
+from dspark.models.target import TargetRunner
+from tests.conftest import TINY, tiny_target
+from tests.unit.test_block_drafter import _drafter
+from tests.unit.test_engines import _build, _target32
+
+SPS = SPSTable.from_step_times([1, 64], [1.0, 1.0 + 0.05 * 63])
+
+
+def _requests(n: int, max_tokens: int = 40) -> list[Request]:
+    g = torch.Generator().manual_seed(11)
+    return [
+        Request(torch.randint(1, TINY.vocab_size, (4 + 3 * i,), generator=g).tolist(), max_tokens + 2 * i)
+        for i in range(n)
+    ]
+
+
+def _run_schedule(target_runner, drafter, reqs, schedule_seed: int):
+    """Decode `reqs` with a random schedule of who drafts each round (the rounds a dspark-skip
+    planner could produce); returns (tokens per request, the drafter after the run)."""
+    rng = np.random.default_rng(schedule_seed)
+    seqs = [SequenceState(i, r, target_runner.allocate(), make_generator(0)) for i, r in enumerate(reqs)]
+    rounds.prefill(target_runner, seqs, drafter)
+    active = [s for s in seqs if s.finish is None]
+    while active:
+        drafting = rng.random(len(active)) < 0.3
+        if drafting.any():
+            rounds.speculative_round(target_runner, drafter, Static(4), None, active, drafting)
+        else:
+            rounds.target_round(target_runner, active, drafter, [True] * len(active))
+        active = [s for s in active if s.finish is None]
+    return [s.out for s in seqs], seqs
+
+
+def _context_state(drafter, rids):
+    """Each request's drafter context after feeding whatever still waits: (length, K, V)."""
+    drafter.propose(rids, [1] * len(rids), [SamplingParams()] * len(rids), [make_generator(0) for _ in rids])
+    out = []
+    for rid in rids:
+        slot = drafter._slot[rid]
+        n = int(drafter.length[slot]) if hasattr(drafter, "length") else int(drafter.cache.length[slot])
+        ks = drafter.k if hasattr(drafter, "k") else drafter.cache.k
+        vs = drafter.v if hasattr(drafter, "v") else drafter.cache.v
+        out.append((n, [np.asarray(k[slot, :, :n]) for k in ks], [np.asarray(v[slot, :, :n]) for v in vs]))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lazy_feeding_equals_eager_feeding_pytorch_drafter(seed):
+    target = tiny_target()
+    m = _drafter(target=target)
+    reqs = _requests(4)
+    plain = [r.tokens for r in generate(TargetRunner(target, 4, 128), reqs)]
+    results = {}
+    for lazy in (True, False):
+        drafter = BlockDrafterRunner(m, 4, 128, lazy=lazy)
+        tokens, seqs = _run_schedule(TargetRunner(target, 4, 128), drafter, reqs, seed)
+        # before the requests end, compare what each one's context holds
+        results[lazy] = (tokens, _context_state(drafter, [s.rid for s in seqs]))
+    assert results[True][0] == results[False][0] == plain
+    for (n1, k1, v1), (n2, k2, v2) in zip(results[True][1], results[False][1]):
+        assert n1 == n2
+        for a, b in zip(k1 + v1, k2 + v2):
+            np.testing.assert_allclose(a, b, atol=1e-10)
+
+
+@pytest.fixture(scope="module")
+def ort_build(tmp_path_factory):
+    target = _target32()
+    out = tmp_path_factory.mktemp("engines-lazy")
+    _build(out, "markov", target)
+    return target, out
+
+
+class _Counting:
+    """An ORT session that counts its runs."""
+
+    def __init__(self, sess, calls: dict) -> None:
+        self.sess, self.calls = sess, calls
+
+    def run(self, *a, **k):
+        self.calls["n"] += 1
+        return self.sess.run(*a, **k)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lazy_feeding_equals_eager_feeding_ort_drafter_with_one_batched_catch_up(ort_build, seed):
+    target, out = ort_build
+    reqs = _requests(3, max_tokens=50)
+    plain = [r.tokens for r in generate(TargetRunner(target, 3, 256), reqs)]
+    results = {}
+    for lazy in (True, False):
+        drafter = OrtDrafterRunner.load(out, num_slots=3, threads=1, lazy=lazy)
+        calls = {"n": 0}
+        drafter.context = _Counting(drafter.context, calls)
+        t = OrtTargetRunner(session(out / "target.opt.onnx", 1), target.cfg, 3, 256)
+        tokens, seqs = _run_schedule(t, drafter, reqs, seed)
+        results[lazy] = (tokens, _context_state(drafter, [s.rid for s in seqs]), calls["n"])
+    assert results[True][0] == results[False][0] == plain
+    for (n1, k1, v1), (n2, k2, v2) in zip(results[True][1], results[False][1]):
+        assert n1 == n2
+        for a, b in zip(k1 + v1, k2 + v2):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    assert results[True][2] < results[False][2], "lazy catch-up should batch the context calls"
+
+
+def test_a_round_in_which_nobody_drafts_makes_exactly_one_model_call(ort_build):
+    from dspark.orchestrator.batcher import Batcher
+    from dspark.orchestrator.bls import RemoteDrafter, RemoteTarget
+    from tests.unit.test_engine import Collect
+    from tests.unit.test_services import _services  # the in-process BLS harness
+
+    target, out = ort_build
+    _, call, meta, calls = _services(out)
+    eng = Batcher(RemoteTarget(call, TINY.vocab_size, 3, 96), RemoteDrafter(call, meta, 3), SPS, None, 3)
+    reqs = _requests(3, max_tokens=40)
+    sinks = [Collect() for _ in reqs]
+    for req, sink in zip(reqs, sinks):
+        eng.submit(req, "dspark-skip", sink)
+    eng.step()  # admission + the first round: everyone drafts (no confidences yet)
+    eng.drafter.seconds = 1e6  # from now on drafting never pays
+    counted = 0
+    for _ in range(12):
+        refresh_round = (eng.rounds + 1) % SkipPlanner.REFRESH == 0
+        before = len(calls)
+        eng.step()
+        if not refresh_round and eng.active:
+            assert calls[before:] == ["target"], calls[before:]
+            counted += 1
+    assert counted >= 6
+    eng.run_until_idle(500)
+    plain = [r.tokens for r in generate(TargetRunner(target, 3, 96), reqs)]
+    assert [s.out for s in sinks] == plain
+
+
+def test_the_refresh_bound_keeps_refreshes_under_one_percent_of_the_rounds_in_a_long_run():
+    step = 0.2  # seconds per round at this load
+    sps = SPSTable.from_step_times([1, 64], [step, step])
+    planner = SkipPlanner(DSparkSkip(sps))
+    R, gamma, draft = 16, 7, 0.5  # a draft call costs 2.5 rounds: drafting never pays
+    last = np.full((R, gamma), 0.2)
+    available = np.full(R, gamma)
+    refresh_seconds, rounds_run = 0.0, 4000
+    for i in range(1, rounds_run + 1):
+        mask = planner.choose(i, list(range(R)), last, available, draft)
+        if mask.any():
+            refresh_seconds += draft
+    assert refresh_seconds / (rounds_run * step) < 0.01
+    # and while drafting pays, every request keeps drafting (no refresh logic in the way)
+    cheap = SkipPlanner(DSparkSkip(sps))
+    good = np.full((R, gamma), 0.95)
+    assert all(cheap.choose(i, list(range(R)), good, available, 0.001).all() for i in range(1, 50))
