@@ -45,7 +45,8 @@ def test_the_fast_training_step_gives_the_plain_loss_and_gradients(tmp_path):
     from dspark.models.losses import Sequence
 
     seq = Sequence.load(files[0])
-    blocks = make_blocks(seq, 64, model.cfg.block_size, torch.Generator().manual_seed(3))  # overlapping blocks
+    gen = torch.Generator().manual_seed(3)
+    blocks = make_blocks(seq, 64, model.cfg.block_size, gen)  # dense anchors: overlapping blocks
     assert len(torch.unique(blocks.hidden_idx)) < blocks.hidden_idx.numel()
     fast = model.loss(seq, blocks).total
     g_fast = torch.autograd.grad(fast, [p for p in model.parameters() if p.requires_grad])
