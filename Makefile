@@ -39,12 +39,19 @@ data: setup
 	$(PY) -m dspark.cli data
 
 # `make train` trains on the answers already regenerated (the committed snapshot on a fresh clone);
-# run `make data` first to generate the rest. Same token budget for the three drafters.
+# run `make data` first to generate the rest. Same token budget for the three drafters, in two
+# stages as the shipped drafters were made (issue 12): TRAIN_STEPS from scratch at lr 6e-4, then
+# CONTINUE_STEPS more from that fp16 drafter at lr 3e-4 (the second stage is what `--init-from`
+# does with a shipped drafter). Both stages resume from their checkpoints.
 TRAIN_STEPS ?= 500
+CONTINUE_STEPS ?= 400
 train: setup
 	$(PY) -m dspark.cli data --no-generate
 	for k in dspark dflash eagle3; do \
-	  $(PY) -m dspark.cli train --kind $$k --steps $(TRAIN_STEPS) || exit 1; done
+	  $(PY) -m dspark.cli train --kind $$k --steps $(TRAIN_STEPS) --out artifacts/runs/$$k \
+	    --ship artifacts/stage1/$$k || exit 1; \
+	  $(PY) -m dspark.cli train --kind $$k --init-from artifacts/stage1/$$k --steps $(CONTINUE_STEPS) \
+	    --lr 3e-4 --out artifacts/runs/$$k-continued || exit 1; done
 
 EVAL_SETS  := gsm8k-test humaneval mt-bench
 EVAL_LIMIT ?= 12
