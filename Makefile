@@ -35,8 +35,10 @@ test-integration: setup
 	$(PYTEST) -q tests/integration
 
 # Drafters (issue 3): regenerate training answers + target cache (resumable), train, evaluate.
+# Every pool of train_prompts, round-robin over math / code / chat; on the ONNX Runtime target
+# engine when `make engines` has built one (same tokens as the PyTorch loop, issue 12).
 data: setup
-	$(PY) -m dspark.cli data
+	$(PY) -m dspark.cli data --pools all $$( [ -f build/engines/target.opt.onnx ] && echo --engines build/engines )
 
 # `make train` trains on the answers already regenerated (the committed snapshot on a fresh clone);
 # run `make data` first to generate the rest. Same token budget for the three drafters, in two
