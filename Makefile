@@ -5,11 +5,14 @@ PYTEST  := $(PY) -m pytest
 export OMP_NUM_THREADS ?= 2
 SHARED  ?= $(or $(DSPARK_SHARED),../shared)
 
-.PHONY: setup demo test test-fast test-slow test-integration lint clean data train eval engines serve sps bench \
+.PHONY: gpu-check setup demo test test-fast test-slow test-integration lint clean data train eval engines serve sps bench \
         replicas-test soak deploy
 
+# GPU=1 adds the GPU stack (requirements-gpu.txt: CUDA torch, TensorRT, onnxruntime-gpu); with
+# GPU_WHEELS=DIR (default ../gpu-wheels when it exists) from that folder only (offline machines).
+GPU ?= 0
 setup:
-	@bash scripts/setup.sh
+	@GPU=$(GPU) bash scripts/setup.sh
 
 # The demo builds the engines on first use (~2 min), starts tritonserver on free loopback ports,
 # streams one answer per domain with DSpark and times target-only on the same prompt.
@@ -32,16 +35,25 @@ test-integration: setup
 	$(PYTEST) -q tests/integration
 
 # Drafters (issue 3): regenerate training answers + target cache (resumable), train, evaluate.
+# Every pool of train_prompts, round-robin over math / code / chat; on the ONNX Runtime target
+# engine when `make engines` has built one (same tokens as the PyTorch loop, issue 12).
 data: setup
-	$(PY) -m dspark.cli data
+	$(PY) -m dspark.cli data --pools all $$( [ -f build/engines/target.opt.onnx ] && echo --engines build/engines )
 
 # `make train` trains on the answers already regenerated (the committed snapshot on a fresh clone);
-# run `make data` first to generate the rest. Same token budget for the three drafters.
+# run `make data` first to generate the rest. Same token budget for the three drafters, in two
+# stages as the shipped drafters were made (issue 12): TRAIN_STEPS from scratch at lr 6e-4, then
+# CONTINUE_STEPS more from that fp16 drafter at lr 3e-4 (the second stage is what `--init-from`
+# does with a shipped drafter). Both stages resume from their checkpoints.
 TRAIN_STEPS ?= 500
+CONTINUE_STEPS ?= 400
 train: setup
 	$(PY) -m dspark.cli data --no-generate
 	for k in dspark dflash eagle3; do \
-	  $(PY) -m dspark.cli train --kind $$k --steps $(TRAIN_STEPS) || exit 1; done
+	  $(PY) -m dspark.cli train --kind $$k --steps $(TRAIN_STEPS) --out artifacts/runs/$$k \
+	    --ship artifacts/stage1/$$k || exit 1; \
+	  $(PY) -m dspark.cli train --kind $$k --init-from artifacts/stage1/$$k --steps $(CONTINUE_STEPS) \
+	    --lr 3e-4 --out artifacts/runs/$$k-continued || exit 1; done
 
 EVAL_SETS  := gsm8k-test humaneval mt-bench
 EVAL_LIMIT ?= 12
@@ -62,11 +74,15 @@ eval: setup
 	$(PY) -m dspark.cli report --evals $(EVAL_OUT)
 
 # Engines (issue 4): ONNX graphs + ORT-optimized engines + manifest.json in build/engines
-# (incremental; TensorRT plans only where tensorrt and a GPU exist).
+# (incremental). PROFILE=gpu (issue 13) also builds TensorRT plans (PRECISION: fp32, fp16 or both)
+# with a timing cache and runs the parity gates on the GPU; it fails where TensorRT or a GPU is missing.
 BUCKETS ?= 1,2,4,8,16
 MAX_CONTEXT ?= 2048
+PROFILE ?= cpu
+PRECISION ?= fp32,fp16
 engines: setup
-	$(PY) -m dspark.cli engines --drafter dspark --out build/engines --buckets $(BUCKETS) --max-context $(MAX_CONTEXT)
+	$(PY) -m dspark.cli engines --drafter dspark --out build/engines --buckets $(BUCKETS) --max-context $(MAX_CONTEXT) \
+	  --profile $(PROFILE) $(if $(filter gpu,$(PROFILE)),--precision $(PRECISION))
 
 # Serving (issue 5) and performance (issue 6). `make serve` runs until Ctrl-C / SIGTERM.
 serve: setup
@@ -107,3 +123,9 @@ soak: setup
 PROFILE ?= cpu
 deploy: setup
 	$(PY) -m dspark.cli deploy --profile $(PROFILE)
+
+# The GPU check (issue 13): one run on one NVIDIA GPU, ~8 minutes: plans, parity (non-zero exit on
+# a parity failure), the gpu-profile server, SPS sweep and a short bench → results/gpu/. Offline
+# machines: wheels in ../gpu-wheels and the SmolLM2 checkpoint beside the checkout (README, "GPU").
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -5,7 +5,7 @@ data, train, eval,      dspark.cli.training   regenerate answers, train drafters
 report
 engines                 dspark.cli.engines    ONNX export + engine builds + manifest
 serve, generate --url   dspark.cli.serve      tritonserver on loopback, the streaming client
-sps, bench              dspark.cli.perf       perf_analyzer SPS(B) sweep, the serving benchmark
+sps, bench, gpu-check   dspark.cli.perf       perf_analyzer SPS(B) sweep, the serving benchmark, the GPU check
 """
 
 from __future__ import annotations

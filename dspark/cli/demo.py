@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from dspark.cli.server_args import add_server_args
+
 
 def add_parsers(sub) -> None:
     d = sub.add_parser(
@@ -31,6 +33,7 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="run in this process (the engines of --engines, else the PyTorch reference loop), no server",
     )
+    add_server_args(d)
     d.set_defaults(fn=cmd_demo)
 
     g = sub.add_parser("generate", help="generate for one prompt through the in-process reference loop")

@@ -21,6 +21,24 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--int8", action="store_true", help="also build a dynamic-int8 target (a different target: see docs)"
     )
+    g = p.add_argument_group("gpu profile (TensorRT plans + parity on the GPU)")
+    g.add_argument(
+        "--profile", default="cpu", choices=["cpu", "gpu"], help="gpu: also TensorRT plans + GPU gates"
+    )
+    g.add_argument("--precision", default="fp32,fp16", help="plan precisions (comma list of fp32, fp16)")
+    g.add_argument("--device", default="cuda:0")
+    g.add_argument("--max-rows", type=int, default=32, help="sequences per decode step the target plan holds")
+    g.add_argument("--max-len", type=int, default=2048, help="positions per sequence the target plan holds")
+    g.add_argument(
+        "--prefill-tokens", type=int, default=1024, help="prompt tokens per row in one prefill call"
+    )
+    g.add_argument("--parity-prompts", type=int, default=6, help="real prompts in the greedy gate")
+    g.add_argument(
+        "--parity-tokens", type=int, default=48, help="tokens generated per prompt in the greedy gate"
+    )
+    g.add_argument(
+        "--no-ort-cuda", action="store_true", help="skip ONNX Runtime's CUDA provider in the gates"
+    )
     p.set_defaults(fn=run)
 
 
@@ -54,6 +72,18 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             print(f"error: the {mod} package is missing: run `make setup`", file=sys.stderr)
             return 2
+    profile = getattr(args, "profile", "cpu")  # callers that build a Namespace by hand: the cpu build
+    precisions = [x for x in getattr(args, "precision", "fp32").split(",") if x]
+    if profile == "gpu":
+        from dspark.engines.gpu_build import gpu_ready
+
+        ok, why = gpu_ready()
+        if not ok:
+            print(f"error: make engines PROFILE=gpu builds TensorRT plans on a GPU: {why}", file=sys.stderr)
+            return 2
+        if not precisions or set(precisions) - {"fp32", "fp16"}:
+            print(f"error: --precision wants fp32, fp16 or both, got {args.precision!r}", file=sys.stderr)
+            return 2
     torch.set_num_threads(args.threads)
     cfg = BuildConfig(
         buckets=_buckets(args.buckets),
@@ -83,14 +113,38 @@ def run(args: argparse.Namespace) -> int:
         from dspark.engines.build import build_int8_target
 
         build_int8_target(b)
-    ok, why = tensorrt_status()
-    if not ok:
-        print(f"[engines] TensorRT plans: skipped — {why}. The ONNX Runtime CPU engines above are complete.")
+    parity_ok = True
+    if profile == "gpu":
+        from dspark.engines.gpu_build import build_gpu
+        from dspark.engines.tensorrt import PlanSettings
+        from dspark.prompts import demo_prompts
+
+        meta = json.loads((b.out / "drafter_meta.json").read_text())
+        settings = PlanSettings(
+            max_rows=args.max_rows,
+            prefill_tokens=args.prefill_tokens,
+            max_len=args.max_len,
+            max_context=args.max_context,
+            context_buckets=meta["context_buckets"],
+        )
+        per = -(-args.parity_prompts // 3)
+        texts = [t for _, t in demo_prompts(per)][: args.parity_prompts]
+        room = min(args.prefill_tokens, args.max_len - args.parity_tokens - 16)  # what the plans hold
+        prompts = [loaded.chat_ids(t)[-room:] for t in texts]
+        summary = build_gpu(
+            b, loaded.model, drafter, settings, precisions, prompts, args.device, args.parity_tokens,
+            ort_cuda=not args.no_ort_cuda,
+        )  # fmt: skip
+        parity_ok = summary["ok"]
+        verdict = "ok" if parity_ok else "FAILED"
+        print(f"[engines] parity on the GPU: {verdict} (details: {b.out / 'parity.json'})")
     else:
-        print("[engines] TensorRT is present, but plan builds are not wired up yet: see docs/decisions.md")
+        ok, why = tensorrt_status()
+        note = why if not ok else "not requested (make engines PROFILE=gpu builds them)"
+        print(f"[engines] TensorRT plans: skipped — {note}. The ONNX Runtime CPU engines above are complete.")
     man = b.write_manifest({"target": args.target, "drafter": str(args.drafter)})
     engines = json.loads(man.read_text())["engines"]
     print(f"[engines] {len(engines)} engines in {args.out} ({time.time() - t0:.0f} s); manifest: {man}")
     for e in engines:
-        print(f"  {e['role']:<17} {e['optimized_file']:<32} {json.dumps(e['shape'])}")
-    return 0
+        print(f"  {e['role']:<17} {e.get('optimized_file', e['file']):<32} {json.dumps(e['shape'])}")
+    return 0 if parity_ok else 1

@@ -1,4 +1,5 @@
-"""`dspark sps` and `dspark bench`: the perf_analyzer SPS(B) sweep and the serving benchmark."""
+"""`dspark sps`, `dspark bench` and `dspark gpu-check`: the perf_analyzer SPS(B) sweep, the serving
+benchmark, and the one-run GPU check (dspark/perf/gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,18 @@ import os
 import sys
 from pathlib import Path
 
+from dspark.cli.server_args import add_server_args, server_settings
 from dspark.paths import REPO
 from dspark.perf.bench import CONCURRENCY, MODES, bench_prompts, run_bench
 from dspark.perf.sps import DEFAULT_CONTEXTS, DEFAULT_SIZES, PerfAnalyzerError, run_sweep
 
 
 def add_parsers(sub) -> None:
+    from dspark.perf import gpu_check
+
     add_sps_parser(sub)
     add_bench_parser(sub)
+    gpu_check.add_parser(sub)
 
 
 def add_sps_parser(sub) -> None:
@@ -27,6 +32,7 @@ def add_sps_parser(sub) -> None:
     s.add_argument(
         "--passes", type=int, default=3, help="sweeps over all B (alternating direction); the median is kept"
     )
+    add_server_args(s)
     s.set_defaults(fn=cmd_sps)
 
 
@@ -44,6 +50,7 @@ def cmd_sps(args) -> int:
             args.threads,
             args.requests,
             args.passes,
+            server=server_settings(args),
         )
     except PerfAnalyzerError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -75,6 +82,8 @@ def add_bench_parser(sub) -> None:
         "--prefill-budget", type=int, default=2048, help="the server's prompt tokens per step (0 = no limit)"
     )
     b.add_argument("--out", default="results/bench.json")
+    b.add_argument("--max-len", type=int, default=1024, help="the server's positions per sequence")
+    add_server_args(b)
     b.set_defaults(fn=cmd_bench)
 
 
@@ -100,7 +109,7 @@ def cmd_bench(args) -> int:
         return 2
     sps = Path(args.sps)
     settings = dict(
-        num_slots=max(conc), max_len=1024, threads=args.threads, max_queue=4 * max(conc),
+        num_slots=max(conc), max_len=args.max_len, threads=args.threads, max_queue=4 * max(conc),
         sps_path=str(sps.resolve()) if sps.exists() else "", prefill_budget=args.prefill_budget,
     )  # fmt: skip
     meta = {
@@ -111,11 +120,12 @@ def cmd_bench(args) -> int:
         "engines": str(engines),
         "command": "dspark bench " + " ".join(sys.argv[2:]),
         "cpu_count": os.cpu_count(),
+        "server": {k: v for k, v in server_settings(args).items() if v is not None},
     }
     try:
         with serving_session(
             engines, REPO / "build" / "bench_repository", target_dir("smollm2-135m-instruct"),
-            log_path=REPO / "build" / "logs" / "bench.log", **settings,
+            log_path=REPO / "build" / "logs" / "bench.log", **settings, **server_settings(args),
         ) as server:  # fmt: skip
             metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
             run_bench(

@@ -11,6 +11,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from dspark.cli.server_args import add_server_args, render_settings, server_settings
 from dspark.paths import REPO
 
 
@@ -24,7 +25,7 @@ def add_parsers(sub) -> None:
         help="a drafter (shipped name, our checkpoint, or one made by `dspark import`): build the engines "
         "for --target and it into --engines first (incremental, as `dspark engines`)",
     )
-    s.add_argument("--profile", default="cpu", choices=["cpu", "gpu"])
+    add_server_args(s)
     s.add_argument("--repository", default="build/model_repository")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     s.add_argument("--http-port", type=int, default=8000)
@@ -54,8 +55,6 @@ def add_parsers(sub) -> None:
         "--exit-timeout", type=int, default=5,
         help="on SIGTERM, seconds tritonserver waits for running requests (streams) before exiting",
     )  # fmt: skip
-    s.add_argument("--tritonserver", default=None, help="a tritonserver binary (default: the pip wheel's)")
-    s.add_argument("--backend-directory", default=None, help="its backends folder (with --tritonserver)")
     s.add_argument(
         "--no-supervise", action="store_true",
         help="do not watch the python-backend stubs (by default a dead stub is reloaded or the server "
@@ -113,8 +112,9 @@ def serve(args: argparse.Namespace) -> int:
             max_stop_strings=args.max_stop_strings,
             max_stop_chars=args.max_stop_chars,
             max_request_bytes=args.max_request_bytes,
+            **render_settings(args),
         )
-        validate(Path(args.repository), require_files=args.profile == "cpu")
+        validate(Path(args.repository))
     except RenderError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -130,7 +130,7 @@ def _run(args: argparse.Namespace, models: list[str] | None) -> int:
 
     if models is None:  # --no-render: the repository as it is
         try:
-            models = sorted(validate(Path(args.repository), require_files=args.profile == "cpu"))
+            models = sorted(validate(Path(args.repository)))
         except (RenderError, OSError) as e:
             print(f"error: {args.repository}: {e}", file=sys.stderr)
             return 2
@@ -247,7 +247,11 @@ def demo_server(args: argparse.Namespace):
         num_slots=4, max_len=2048, threads=args.threads, sps_path=str(sps) if sps.exists() else ""
     )
     with serving_session(
-        Path(args.engines), REPO / "build" / "demo_repository", _target(args.target), **settings
+        Path(args.engines),
+        REPO / "build" / "demo_repository",
+        _target(args.target),
+        **settings,
+        **server_settings(args),
     ) as server:
         url = f"127.0.0.1:{server.grpc_port}"
         print(

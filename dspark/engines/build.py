@@ -24,7 +24,6 @@ import copy
 import hashlib
 import json
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from dspark.engines.ort import session
+from dspark.models.target import ROPE_TABLE_POSITIONS
 from dspark.paths import REPO
 
 TOL = 1e-3
@@ -181,16 +181,33 @@ def _torch_outputs(module, example) -> list[np.ndarray]:
 
 def tensorrt_status() -> tuple[bool, str]:
     """(can build, why not)."""
+    from dspark.engines.runtimes import RuntimeUnavailable, require_cuda
+    from dspark.engines.tensorrt import require_tensorrt
+
     try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        return (
-            False,
-            "the tensorrt Python package is not installed (it needs NVIDIA's index and a GPU driver)",
-        )
-    if not torch.cuda.is_available() and shutil.which("nvidia-smi") is None:
-        return False, "no NVIDIA GPU is visible on this machine"
+        require_tensorrt()
+        require_cuda("cuda")
+    except RuntimeUnavailable as e:
+        return False, str(e)
     return True, ""
+
+
+def check_declared_shapes(
+    io: dict, feed: dict, expected: list[np.ndarray], names: list[str], what: str
+) -> None:
+    """The graph's declared output shapes (symbolic dims bound by the inputs) are the real
+    ones: what lets a runtime preallocate every output on the device."""
+    dims: dict = {}
+    for n, x in feed.items():
+        for d, s in zip(io["inputs"][n]["shape"], x.shape):
+            if isinstance(d, str):
+                dims[d] = s
+    for name, e in zip(names, expected):
+        declared = [dims.get(d, d) if isinstance(d, str) else d for d in io["outputs"][name]["shape"]]
+        if declared != list(e.shape):
+            raise AssertionError(
+                f"{what}: output {name} is declared {declared} but has shape {list(e.shape)}"
+            )
 
 
 # -- building -----------------------------------------------------------------------------
@@ -206,9 +223,14 @@ class Builder:
         self.log = log
         self.manifest_path = self.out / "manifest.json"
         old = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
+        self.old_manifest = old
         self.old = {e["file"]: e for e in old.get("engines", [])}
         self.engines: list[dict] = []
         self.code = code_hash()
+        # file → (PyTorch module, example inputs, (input names, output names)): what the GPU gates
+        # (engines/parity.py) compare the TensorRT plans against
+        self.sources: dict[str, tuple] = {}
+        self.tensorrt: dict | None = None  # set by engines/tensorrt.py when plans were built
 
     def engine(
         self,
@@ -229,6 +251,7 @@ class Builder:
         key = hashlib.sha256(json.dumps([source, self.code, shape, self.cfg.to_dict()]).encode()).hexdigest()[
             :16
         ]
+        self.sources[file] = (module, examples, names)
         prev = self.old.get(file)
         if prev and prev.get("key") == key and path.exists() and opt.exists():
             self.log(f"[engines] {file}: up to date")
@@ -259,9 +282,9 @@ class Builder:
             worst = 0.0
             for i, ex in enumerate(examples):
                 feed = {n: _np(x) for n, x in zip(names[0], ex)}
-                worst = max(
-                    worst, compare(sess, feed, _torch_outputs(module, ex), names[1], f"{file} (case {i})")
-                )
+                expected = _torch_outputs(module, ex)
+                check_declared_shapes(entry["io"], feed, expected, names[1], f"{file} (case {i})")
+                worst = max(worst, compare(sess, feed, expected, names[1], f"{file} (case {i})"))
             entry["verified"] = {"cases": len(examples), "max_abs_diff_vs_pytorch": worst}
             if poly:
                 feed = {n: _np(x) for n, x in zip(names[0], examples[0])}
@@ -286,14 +309,23 @@ class Builder:
 
     def write_manifest(self, extra: dict) -> Path:
         ok, why = tensorrt_status()
+        if self.tensorrt is None:  # a cpu build keeps the plans still built from today's ONNX graphs
+            onnx = {e["file"]: e.get("onnx_sha256") for e in self.engines}
+            kept = [
+                e
+                for e in self.old.values()
+                if e.get("backend") == "tensorrt" and onnx.get(e.get("onnx")) == e.get("onnx_sha256")
+            ]
+            self.engines += kept
+            if kept and self.old_manifest.get("tensorrt", {}).get("built"):
+                self.tensorrt = self.old_manifest["tensorrt"]
         manifest = {
             "format": 1,
             "settings": self.cfg.to_dict(),
             "tools": tool_versions(),
             "machine": {"platform": platform.platform(), "processor": platform.machine()},
-            "tensorrt": {"built": False, "reason": why}
-            if not ok
-            else {"built": False, "reason": "not requested"},
+            "tensorrt": self.tensorrt
+            or ({"built": False, "reason": why} if not ok else {"built": False, "reason": "not requested"}),
             "engines": self.engines,
             **extra,
         }
@@ -308,7 +340,8 @@ def build_target(b: Builder, model, source: str) -> dict:
         model = copy.deepcopy(model).float()
     model = model.eval()
     L = model.cfg.num_layers
-    (b.out / "target_meta.json").write_text(json.dumps({"config": model.cfg.to_dict()}, indent=2))
+    meta = {"config": model.cfg.to_dict(), "rope_positions": ROPE_TABLE_POSITIONS}
+    (b.out / "target_meta.json").write_text(json.dumps(meta, indent=2))
     graph = ex.TargetStepGraph(model)
     cases = [ex.example_inputs(model, rows=3, new=5, past=7), ex.example_inputs(model, rows=1, new=4, past=0)]
     return b.engine(
@@ -389,6 +422,7 @@ def build_drafter(b: Builder, model, source: str, extra_meta: dict) -> Path:
         "new_positions": M,
         "buckets": cfg.buckets,
         "context_buckets": ex.context_buckets(cfg.max_context),
+        "rope_positions": ROPE_TABLE_POSITIONS,
         "files": {
             k: (
                 {str(bb): ff.replace(".onnx", ".opt.onnx") for bb, ff in v.items()}

@@ -1,10 +1,13 @@
-"""ONNX Runtime engines behind the reference loop's interfaces.
+"""The engines behind the reference loop's interfaces, on any runtime and device.
 
 `OrtTargetRunner` is a drop-in for dspark.target.TargetRunner and `OrtDrafterRunner` for
 dspark.block_drafter.BlockDrafterRunner, so `dspark.reference.generate` runs unchanged on
 the engines — that is how the engines are checked against the PyTorch oracle, and the same
-classes run inside the Triton python-backend models. Caches live here, in preallocated numpy
-slots; only the new positions' keys/values come out of a graph.
+classes run inside the Triton python-backend models. Their graphs are `engines.runtimes.Graph`s
+(ONNX Runtime on the CPU or a GPU, TensorRT plans, or the PyTorch graph modules; a plain ORT
+session is taken as the CPU one). Caches live here, in preallocated slots on the graph's device
+(`runtimes.DeviceKV`); only the new positions' keys/values come out of a graph, and a step
+gathers and scatters on the device.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import numpy as np
 import torch
 
 from dspark.core.interfaces import Drafter, Proposal, TargetStep
+from dspark.engines.runtimes import DeviceKV, RuntimeSpec, as_graph, host, ort_session
 from dspark.models.block_drafter import sample_block
-from dspark.models.slots import SlotPool, SlotRunner
+from dspark.models.slots import SlotRunner
 
 
 class ShapeError(ValueError):
@@ -27,45 +31,54 @@ class ShapeError(ValueError):
 
 def session(path: Path, threads: int = 2, optimized: Path | None = None):
     """An ORT CPU session; with `optimized`, also save the optimized graph there."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    # ORT's pool threads spin after every run by default; on 2 cores that steals the CPU from the
-    # Python/torch work between engine calls (sampling, the next call's inputs): 3x slower rounds.
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if optimized is not None:
-        so.optimized_model_filepath = str(optimized)
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return ort_session(path, RuntimeSpec(threads=threads), optimized)
 
 
-class _Slots(SlotPool):
-    """Preallocated per-sequence K/V slots: per layer [slots, KV, max_len, D] float32 (numpy)."""
-
-    def __init__(self, layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int, what: str):
-        super().__init__(num_slots, max_len, np.zeros(num_slots, np.int64), what)
-        shape = (num_slots, kv_heads, max_len, head_dim)
-        self.k = [np.zeros(shape, np.float32) for _ in range(layers)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(layers)]
-
-    def write(self, slots, start, new_k, new_v, count) -> None:
-        """Row r's first count[r] new positions go to slot slots[r] from position start[r]."""
-        for r, (slot, s0, n) in enumerate(zip(slots, start, count)):
-            if n:
-                for layer in range(len(self.k)):
-                    self.k[layer][slot, :, s0 : s0 + n] = new_k[layer][r, :, :n]
-                    self.v[layer][slot, :, s0 : s0 + n] = new_v[layer][r, :, :n]
+_Slots = DeviceKV  # the drafter's context slots (the same store as the target's KV)
 
 
 class OrtTargetRunner(SlotRunner):
-    """The target step engine with its KV cache in slots (same contract as TargetRunner)."""
+    """The target step engine with its KV cache in device slots (same contract as TargetRunner).
 
-    def __init__(self, sess, cfg, num_slots: int = 16, max_len: int = 2048) -> None:
-        self.sess = sess
+    `sess` is a runtimes.Graph on any runtime and device (or a plain ORT session: the CPU one).
+    A step sends the new tokens, positions and masks to the device, gathers the batch's past
+    there — at least one position: a prefill passes one masked dummy position, so no tensor is
+    ever empty — runs the graph and scatters the new keys/values into the slots. A call larger
+    than the graph holds (a TensorRT profile: `limits()`) runs in pieces with the same result:
+    rows in chunks, and long prompts in consecutive token chunks, each attending to the cache
+    the previous one wrote. Outputs are CPU tensors (`outputs="host"`, what the decoding loop
+    reads) or stay on the device (`"device"`: the Triton model hands them over through DLPack).
+    """
+
+    def __init__(
+        self,
+        sess,
+        cfg,
+        num_slots: int = 16,
+        max_len: int = 2048,
+        max_positions: int | None = None,
+        outputs: str = "host",
+    ) -> None:
+        self.graph = as_graph(sess)
         self.cfg = cfg
-        self.cache = _Slots(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, "target KV")
+        self.device = self.graph.device
+        if max_positions is not None and max_len > max_positions:
+            raise ShapeError(
+                f"max_len {max_len} exceeds the {max_positions} positions the engine's RoPE table covers: "
+                "lower --max-len or re-export with a larger table (models.target.ROPE_TABLE_POSITIONS)"
+            )
+        self.boxes = _target_boxes(self.graph)
+        if self.boxes and max_len > max(b[2] for b in self.boxes):
+            raise ShapeError(
+                f"max_len {max_len} exceeds the {max(b[2] for b in self.boxes)} past positions the target "
+                "plan was built for: rebuild the plans with a larger --max-len (make engines PROFILE=gpu)"
+            )
+        if outputs not in ("host", "device"):
+            raise ValueError("outputs must be 'host' or 'device'")
+        self.outputs = outputs
+        self.cache = DeviceKV(
+            cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, "target KV", self.device
+        )
 
     def step(self, slots: list[int], tokens: list[list[int]], last_only: bool = False) -> TargetStep:
         c = self.cache
@@ -78,25 +91,77 @@ class OrtTargetRunner(SlotRunner):
             raise ShapeError(
                 f"sequence would exceed the KV cache length {c.max_len}: shorten the prompt or max_tokens"
             )
-        R, N, S = len(slots), int(n.max()), int(past_len.max())
+        R, N = len(slots), int(n.max())
         ids = np.zeros((R, N), np.int64)
         for r, t in enumerate(tokens):
             ids[r, : len(t)] = t
+        piece = self._piece(R, N)
+        if piece is None:
+            logits, feats, hidden = self._run(idx, past_len, ids, n)
+        else:
+            logits, feats, hidden = self._pieces(idx, past_len, ids, n, *piece)
+        c.length[idx] = past_len + n
+        if last_only:
+            logits = logits[torch.arange(R, device=logits.device), torch.as_tensor(n - 1).to(logits.device)]
+            logits = logits[:, None]
+        if self.outputs == "host":
+            return TargetStep(host(logits), host(feats), host(hidden))
+        return TargetStep(logits, feats, hidden)
+
+    def _run(self, idx, past_len, ids, n):
+        """One graph call: rows idx with past past_len and new tokens ids [R, N] (n valid)."""
+        R, N = ids.shape
+        S = max(int(past_len.max()), 1)  # never an empty past: position 0 is masked by past_len
         feed = {
             "input_ids": ids,
             "positions": past_len[:, None] + np.arange(N)[None, :],
             "past_len": past_len,
             "valid": np.arange(N)[None, :] < n[:, None],
         }
+        past_k, past_v = self.cache.gather(idx, S)
         for i in range(self.cfg.num_layers):
-            feed[f"past_key.{i}"] = c.k[i][idx, :, :S]
-            feed[f"past_value.{i}"] = c.v[i][idx, :, :S]
-        out = self.sess.run(None, feed)
+            feed[f"past_key.{i}"] = past_k[i]
+            feed[f"past_value.{i}"] = past_v[i]
+        out = self.graph.run(None, feed)
         L = self.cfg.num_layers
-        c.write(idx, past_len, out[3 : 3 + 2 * L : 2], out[4 : 4 + 2 * L : 2], n)
-        c.length[idx] = past_len + n
-        logits = out[0][np.arange(R), n - 1][:, None] if last_only else out[0]
-        return TargetStep(torch.from_numpy(logits), torch.from_numpy(out[1]), torch.from_numpy(out[2]))
+        self.cache.write(idx, past_len, out[3 : 3 + 2 * L : 2], out[4 : 4 + 2 * L : 2], n)
+        return out[0], out[1], out[2]
+
+    def _piece(self, R: int, N: int) -> tuple[int, int] | None:
+        """None if one call holds R rows × N tokens, else the (rows, tokens) of the pieces that
+        need the fewest calls."""
+        if not self.boxes or any(R <= r and N <= t for r, t, _ in self.boxes):
+            return None
+        return min(((r, t) for r, t, _ in self.boxes), key=lambda b: -(-R // b[0]) * -(-N // b[1]))
+
+    def _pieces(self, idx, past_len, ids, n, rows: int, toks: int):
+        R, N = ids.shape
+        parts: list[tuple] = []
+        for r0 in range(0, R, rows):
+            sel = np.arange(r0, min(R, r0 + rows))
+            for t0 in range(0, N, toks):
+                sub = sel[n[sel] > t0]
+                if not len(sub):
+                    break
+                nn = np.minimum(n[sub] - t0, toks)
+                out = self._run(idx[sub], past_len[sub] + t0, ids[sub, t0 : t0 + int(nn.max())], nn)
+                parts.append((sub, t0, out))
+        first = parts[0][2]
+        full = [x.new_zeros((R, N, *x.shape[2:])) for x in first]
+        for sub, t0, out in parts:
+            rows_t = torch.as_tensor(sub).to(full[0].device)
+            for f, x in zip(full, out):
+                f[rows_t, t0 : t0 + x.shape[1]] = x
+        return tuple(full)
+
+
+def _target_boxes(graph) -> list[tuple[int, int, int]]:
+    """Per optimization profile (rows, new tokens, past positions) a target graph holds; [] when
+    it has no limits (ONNX Runtime, PyTorch)."""
+    limits = getattr(graph, "limits", None)
+    if limits is None:
+        return []
+    return [(p["input_ids"][1][0], p["input_ids"][1][1], p["past_key.0"][1][2]) for p in limits()]
 
 
 def bucket_for(n: int, buckets: list[int], what: str) -> int:
@@ -134,9 +199,9 @@ class OrtDrafterRunner(Drafter):
         self.cfg = cfg
         self.block_size = cfg["block_size"]
         self.vocab_size, self.draft_vocab, self.to_draft = draft_vocabulary(meta)
-        self.context = engines["drafter_context"]
-        self.backbones: dict[int, object] = engines["drafter_backbone"]
-        self.heads: dict[int, object] = engines.get("drafter_head", {})
+        self.context = as_graph(engines["drafter_context"])
+        self.backbones = {int(b): as_graph(g) for b, g in engines["drafter_backbone"].items()}
+        self.heads = {int(b): as_graph(g) for b, g in engines.get("drafter_head", {}).items()}
         self.max_context = meta["max_context"]
         self.context_buckets = meta.get("context_buckets", [self.max_context])
         self.M = meta["new_positions"]
@@ -147,6 +212,7 @@ class OrtDrafterRunner(Drafter):
             self.max_context,
             cfg["head_dim"],
             "drafter context",
+            device=self.context.device,
         )
         self.pending: dict[int, np.ndarray] = {}
         self._slot: dict[int, int] = {}
@@ -163,6 +229,17 @@ class OrtDrafterRunner(Drafter):
             files = meta["files"].get(role, {})
             engines[role] = {int(b): session(build / f, threads) for b, f in files.items()}
         return cls(engines, meta, num_slots, lazy)
+
+    @classmethod
+    def open(
+        cls, build: Path, spec: RuntimeSpec, num_slots: int = 16, target_dir=None, **kw
+    ) -> OrtDrafterRunner:
+        """From an engine build folder on any runtime and device (engines/runtimes.py); the
+        torch runtime loads the drafter and target checkpoints (target_dir)."""
+        from dspark.engines.runtimes import drafter_graphs
+
+        meta = json.loads((Path(build) / "drafter_meta.json").read_text())
+        return cls(drafter_graphs(build, meta, spec, target_dir), meta, num_slots, **kw)
 
     @property
     def free_slots(self) -> int:
@@ -273,15 +350,15 @@ class OrtDrafterRunner(Drafter):
         }
         S = bucket_for(max(int(ctx_len.max()), 1), self.context_buckets, "drafter context of")
         idx = np.asarray(slots + [slots[0]] * (B - R))  # pad rows reuse a real slot; ctx_len 0 masks it
+        ctx_k, ctx_v = self.cache.gather(idx, S)
         for i in range(L):
-            feed[f"ctx_key.{i}"] = self.cache.k[i][idx, :, :S]
-            feed[f"ctx_value.{i}"] = self.cache.v[i][idx, :, :S]
+            feed[f"ctx_key.{i}"], feed[f"ctx_value.{i}"] = ctx_k[i], ctx_v[i]
         out = self.backbones[B].run(None, feed)
         self.cache.write(slots, ctx_len[:R], out[2::2], out[3::2], new_count[:R])
         for r, s in enumerate(slots):
             self.cache.length[s] = ctx_len[r] + new_count[r]
             self.pending[s] = self.pending[s][:0]
-        return torch.from_numpy(out[0][:R]), torch.from_numpy(out[1][:R])
+        return host(out[0][:R]), host(out[1][:R])
 
     def head_step(self, U_k, h_k, prev, state):
         """One sequential step for R rows (padded to the bucket): (z_k, c_k, state)."""
@@ -324,7 +401,7 @@ class OrtDrafterRunner(Drafter):
                     else padded(state, np.float32)
                 )
             out = sess.run(None, feed)
-            z, c = torch.from_numpy(out[0][:R]), torch.from_numpy(out[1][:R])
-            return z, c, (torch.from_numpy(out[2][:R]) if rnn else None)
+            z, c = host(out[0][:R]), host(out[1][:R])
+            return z, c, (host(out[2][:R]) if rnn else None)
 
         return step

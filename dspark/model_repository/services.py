@@ -1,7 +1,10 @@
 """What the stateful Triton models do, as plain classes over numpy (no server needed).
 
-Each service has `handle(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]`; the Triton
-python model (model_repository/templates/_service/model.py) only converts tensors and errors.
+Each service has `handle(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]` (a target
+whose runner leaves its outputs on the GPU returns torch tensors there instead, which the
+Triton model hands over through DLPack); the Triton python model
+(model_repository/templates/_service_model.py) only converts tensors and errors. Which runtime
+and device the engines run on comes from the model's parameters (engines/runtimes.py).
 Ragged batches travel flattened: `tokens` [T] with `n_tokens` [R] (row r owns the next
 n_tokens[r] entries), and the same for `features` / `n_features`.
 
@@ -38,6 +41,11 @@ def _need(inputs: dict, name: str, dtype, ndim: int) -> np.ndarray:
     if x.ndim != ndim:
         raise RequestError(f"input {name!r} must have {ndim} dimension(s), got shape {list(x.shape)}")
     return x
+
+
+def _out(t: torch.Tensor):
+    """A CPU tensor as numpy (what the model has always returned); a GPU tensor as it is."""
+    return t.numpy() if t.device.type == "cpu" else t.contiguous()
 
 
 def _split(flat: np.ndarray, counts: np.ndarray, what: str) -> list[np.ndarray]:
@@ -109,10 +117,10 @@ class TargetService:
         except Exception:
             self.release(new)  # nothing half-allocated survives a failed call
             raise
-        feats = torch.cat([step.features[r, :n] for r, n in enumerate(counts.tolist())]).float().numpy()
+        feats = torch.cat([step.features[r, :n] for r, n in enumerate(counts.tolist())]).float()
         return {
-            "logits": step.logits.float().numpy(),
-            "features": feats,
+            "logits": _out(step.logits.float()),
+            "features": _out(feats),
             "lengths": np.array([self.runner.length(s) for s in slots], np.int64),
         }
 
@@ -137,7 +145,7 @@ class TargetService:
         step = runner.step(list(range(R)), toks.tolist())
         for s in range(R):
             runner.rollback(s, L)
-        return {"probe_argmax": step.logits.argmax(-1).numpy().astype(np.int64)}
+        return {"probe_argmax": step.logits.argmax(-1).cpu().numpy().astype(np.int64)}
 
 
 class DrafterBackboneService:
@@ -270,30 +278,45 @@ def target_config(params: dict) -> TargetConfig:
     return TargetConfig.from_dict(meta["config"])
 
 
-def check_runtime(params: dict) -> None:
-    if params.get("runtime", "onnxruntime") != "onnxruntime":
-        raise RuntimeError(
-            f"runtime {params['runtime']!r} is not available in this build: the gpu profile's TensorRT "
-            "execution contexts are not wired up yet (see README, 'What has been run')"
-        )
+def check_runtime(params: dict):
+    """The model's RuntimeSpec, checked: RuntimeUnavailable names what this machine lacks (a
+    GPU, a CUDA build of torch, onnxruntime-gpu, tensorrt); nothing falls back to the CPU."""
+    from dspark.engines.runtimes import RuntimeSpec, set_tf32
+
+    spec = RuntimeSpec.from_params(params)
+    spec.check()
+    if spec.torch_device.type == "cuda":
+        torch.cuda.set_device(spec.torch_device)
+        set_tf32(spec.tf32)
+    else:
+        # on the CPU the slots' gathers and scatters are plain copies: an OpenMP pool only adds
+        # wake-up waits on a busy machine (measured: 3 ms → 480 ms a step under load). ORT keeps
+        # its own `threads`; the torch runtime computes with them.
+        torch.set_num_threads(spec.threads if spec.runtime == "torch" else 1)
+    return spec
 
 
 def make_service(params: dict):
-    from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, session
+    from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner
+    from dspark.engines.runtimes import target_graph
 
-    check_runtime(params)
+    spec = check_runtime(params)
     eng = Path(params["engines_dir"])
-    threads, slots, max_len = int(params["threads"]), int(params["num_slots"]), int(params["max_len"])
+    tdir = params.get("target_dir") or None
+    slots, max_len = int(params["num_slots"]), int(params["max_len"])
     kind = params["service"]
     if kind == "target":
         cfg = target_config(params)
-        sess = session(eng / "target.opt.onnx", threads)
-        return TargetService(
-            OrtTargetRunner(sess, cfg, slots, max_len),
-            lambda rows, length: OrtTargetRunner(sess, cfg, rows, length),
-        )
+        positions = json.loads((eng / "target_meta.json").read_text()).get("rope_positions")
+        graph = target_graph(eng, spec, tdir)
+        outputs = params.get("outputs", "host") or "host"
+
+        def runner(rows: int, length: int):
+            return OrtTargetRunner(graph, cfg, rows, length, positions, outputs)
+
+        return TargetService(runner(slots, max_len), runner)
     if kind == "drafter_backbone":
-        return DrafterBackboneService(OrtDrafterRunner.load(eng, num_slots=slots, threads=threads))
+        return DrafterBackboneService(OrtDrafterRunner.open(eng, spec, slots, target_dir=tdir))
     if kind == "drafter_head":
-        return DrafterHeadService(OrtDrafterRunner.load(eng, num_slots=1, threads=threads))
+        return DrafterHeadService(OrtDrafterRunner.open(eng, spec, 1, target_dir=tdir))
     raise ValueError(f"unknown service {kind!r}")

@@ -189,6 +189,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple[float, ...] | None
     return torch.where(band, (1 - smooth) * inv / factor + smooth * inv, scaled)
 
 
+ROPE_TABLE_POSITIONS = 8192  # positions an exported graph's cos/sin table covers (runners refuse more)
+
+
 def rope_cos_sin(
     positions: torch.Tensor,
     head_dim: int,
@@ -196,11 +199,17 @@ def rope_cos_sin(
     dtype: torch.dtype,
     scaling: tuple[float, ...] | None = None,
 ):
-    """cos/sin [R, N, head_dim] for integer positions [R, N] (Llama's half-rotation layout)."""
+    """cos/sin [R, N, head_dim] for integer positions [R, N] (Llama's half-rotation layout),
+    computed in float64 and rounded to `dtype`. In an exported graph they are rows of a table of
+    these values for positions 0..ROPE_TABLE_POSITIONS-1 (a `dtype` constant), gathered by
+    position: the same numbers, and no float64 op in the graph (TensorRT has no FP64)."""
+    table = torch.onnx.is_in_onnx_export()
+    pos = torch.arange(ROPE_TABLE_POSITIONS).unsqueeze(0) if table else positions
     inv = rope_inv_freq(head_dim, theta, scaling)
-    ang = positions.double().unsqueeze(-1) * inv  # [R, N, D/2]
+    ang = pos.double().unsqueeze(-1) * inv  # [R, N, D/2]
     ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    return (cos[0][positions], sin[0][positions]) if table else (cos, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ Families (all prefixed `dspark_`):
   skipped_drafts_total               dspark-skip: request-rounds that decided not to draft
   rounds_total / round_seconds_total          busy batcher rounds and their wall time
   bls_calls_total{model_called} / bls_seconds_total{model_called}   BLS calls and time inside them
+  bls_bytes_total{model_called, direction}                          tensor bytes sent (in) / received (out)
   calibration_predicted_survival{position} / calibration_realized_survival{position}
                                      running means over verified positions: the calibrated
                                      prefix survival the scheduler used vs what happened
@@ -184,6 +185,7 @@ DESCRIPTIONS = {
     "rounds_total": "Batcher rounds that ran at least one request",
     "bls_calls_total": "BLS calls from the orchestrator, per called model",
     "bls_seconds_total": "Seconds inside BLS calls (transport + the model's execution), per called model",
+    "bls_bytes_total": "Tensor bytes crossing BLS calls, per called model and direction (in = sent to it)",
     "round_seconds_total": "Wall time of those rounds (model calls + everything else)",
 }
 

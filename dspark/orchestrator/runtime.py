@@ -2,7 +2,7 @@
 
 Parameters (rendered into every config.pbtxt by orchestrator/repository.py):
   code_root, engines_dir (a `make engines` build), target_dir (tokenizer + chat template),
-  num_slots, max_len, threads, runtime (onnxruntime | tensorrt), and for `dspark`:
+  num_slots, max_len, threads, runtime (torch | ort | tensorrt), device, and for `dspark`:
   max_active, max_queue (requests waiting for a slot before new ones get a "busy" error),
   prefill_budget (prompt tokens admitted per step; 0 = no limit),
   max_new_tokens, max_prompt_tokens, max_stop_strings, max_stop_chars, max_request_bytes (per-request
@@ -36,6 +36,11 @@ def probe_sps(call, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeats:
     return measure_sps(step, sizes, repeats, {"source": "quick startup probe", "context": context})
 
 
+def bls_bytes(tensors: dict) -> int:
+    """Bytes of the tensors of one side of a BLS call (what crosses between the processes)."""
+    return int(sum(np.asarray(v).nbytes for v in tensors.values()))
+
+
 def make_orchestrator(params: dict, call, metrics_backend=None):
     from dspark.core.calibration import STS
     from dspark.core.interfaces import RequestError
@@ -52,20 +57,27 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
     slots, max_len = int(params["num_slots"]), int(params["max_len"])
     bls_time: dict[str, list] = {}
 
-    def timed_call(model, inputs, outputs):  # the transport, timed per called model
+    def timed_call(model, inputs, outputs):  # the transport, timed and its bytes counted per model
         t0 = time.perf_counter()
+        got = None
         try:
-            return call(model, inputs, outputs)
+            got = call(model, inputs, outputs)
+            return got
         finally:
-            acc = bls_time.setdefault(model, [0, 0.0])
+            acc = bls_time.setdefault(model, [0, 0.0, 0, 0])
             acc[0] += 1
             acc[1] += time.perf_counter() - t0
+            acc[2] += bls_bytes(inputs)
+            acc[3] += bls_bytes(got or {})
 
-    tok = ChatTokenizer(Path(params["target_dir"])) if params.get("target_dir") else None
+    tdir = Path(params["target_dir"]) if params.get("target_dir") else None
+    tok = ChatTokenizer(tdir) if tdir is not None and (tdir / "tokenizer.json").exists() else None
 
     def chat_ids(text: str) -> list[int]:
         if tok is None:
-            raise RequestError("this server has no tokenizer (target_dir is empty): send input_ids")
+            raise RequestError(
+                "this server has no tokenizer (target_dir has no tokenizer.json): send input_ids"
+            )
         return tok.chat_ids(text)
 
     def decode(ids: list[int]) -> str:
@@ -75,8 +87,8 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
     meta_path = eng / "drafter_meta.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        # the python head (cpu profile) has the block entry; a TensorRT head plan only steps
-        drafter = RemoteDrafter(timed_call, meta, slots, head_block=params.get("runtime") != "tensorrt")
+        # the head is a python model on every runtime: its block entry runs a round's γ steps
+        drafter = RemoteDrafter(timed_call, meta, slots)
         sts = STS.from_dict(meta["sts"]) if meta.get("sts") else None
         max_len = min(max_len, int(meta["max_context"]))
     sps_path = params.get("sps_path", "")

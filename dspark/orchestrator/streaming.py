@@ -119,9 +119,10 @@ class StreamSink:
 class Orchestrator:
     """Owns the Batcher and its thread. `submit` is called from Triton's execute().
 
-    bls_time: model → [calls, seconds] that the transport fills (published as metrics after
-    every round); on_start: run once on the batcher thread before the first request is decoded
-    (the server is fully up then, so BLS calls work: e.g. measure SPS through the target)."""
+    bls_time: model → [calls, seconds(, bytes in, bytes out)] that the transport fills
+    (published as metrics after every round); on_start: run once on the batcher thread before
+    the first request is decoded (the server is fully up then, so BLS calls work: e.g. measure
+    SPS through the target)."""
 
     def __init__(
         self,
@@ -170,11 +171,15 @@ class Orchestrator:
             self._wake.notify_all()
 
     def _publish_bls(self) -> None:
-        for model, (n, secs) in list(self.bls_time.items()):
-            n0, s0 = self._bls_sent.get(model, (0, 0.0))
+        for model, (n, secs, *nbytes) in list(self.bls_time.items()):
+            n0, s0, *b0 = self._bls_sent.get(model, (0, 0.0, 0, 0))
             self.batcher.metrics.inc("bls_calls_total", n - n0, model_called=model)
             self.batcher.metrics.inc("bls_seconds_total", secs - s0, model_called=model)
-            self._bls_sent[model] = (n, secs)
+            for direction, now, before in zip(("in", "out"), nbytes, b0):
+                self.batcher.metrics.inc(
+                    "bls_bytes_total", now - before, model_called=model, direction=direction
+                )
+            self._bls_sent[model] = (n, secs, *nbytes)
 
     def _loop(self) -> None:
         started = False

@@ -123,6 +123,7 @@ def server_counters(url: str, metrics_url: str | None) -> dict:
         out["steps"] = m.get('dspark_rounds_total{model="dspark"}', 0.0)
         out["bls_seconds"] = sum(v for k, v in m.items() if k.startswith("dspark_bls_seconds_total"))
         out["bls_calls"] = sum(v for k, v in m.items() if k.startswith("dspark_bls_calls_total"))
+        out["bls_bytes"] = sum(v for k, v in m.items() if k.startswith("dspark_bls_bytes_total"))
     return out
 
 
@@ -187,6 +188,7 @@ def summarize(mode, concurrency, gens, errors, wall, before, after, peak_rss) ->
     model_s = after["model_seconds"] - before["model_seconds"]
     bls_s = after.get("bls_seconds", 0.0) - before.get("bls_seconds", 0.0)
     bls_n = after.get("bls_calls", 0.0) - before.get("bls_calls", 0.0)
+    bls_b = after.get("bls_bytes", 0.0) - before.get("bls_bytes", 0.0)
 
     def pct(xs, q):
         return float(np.percentile(xs, q) * 1e3) if xs else None
@@ -213,6 +215,7 @@ def summarize(mode, concurrency, gens, errors, wall, before, after, peak_rss) ->
         "model_ms_per_step": 1e3 * model_s / steps if steps else None,
         "overhead": 1.0 - model_s / step_s if step_s > 0 else None,
         "bls_calls_per_step": bls_n / steps if steps else None,
+        "bls_mb_per_step": bls_b / steps / 1e6 if steps else None,
         "bls_transport_ms_per_step": 1e3 * (bls_s - model_s) / steps if steps else None,
         "python_ms_per_step": 1e3 * (step_s - bls_s) / steps if steps else None,
     }
@@ -296,7 +299,7 @@ def plot(result: dict, folder: Path, stem: str = "bench") -> list[Path]:
 COLUMNS = [
     "mode", "concurrency", "per_user_tps", "aggregate_tps", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99",
     "tau", "mean_verify_len", "peak_rss_mb", "overhead", "step_ms", "model_ms_per_step",
-    "bls_transport_ms_per_step", "python_ms_per_step", "bls_calls_per_step", "requests",
+    "bls_transport_ms_per_step", "python_ms_per_step", "bls_calls_per_step", "bls_mb_per_step", "requests",
     "errors", "tokens", "wall_s",
 ]  # fmt: skip
 

@@ -166,8 +166,10 @@ def run_sweep(
     request_count: int = 40,
     passes: int = 3,
     log=print,
+    server: dict | None = None,
 ) -> dict:
-    """Start a target-only server on free loopback ports, sweep, write `out` (+ .png)."""
+    """Start a target-only server on free loopback ports, sweep, write `out` (+ .png). `server`:
+    serving_session's profile / runtime / device / tritonserver settings (default: cpu)."""
     from tqdm import tqdm
 
     from dspark.core.sps import SPSTable
@@ -181,9 +183,10 @@ def run_sweep(
     points = []
     settings = dict(num_slots=1, max_len=max(contexts) + 64, threads=threads)
     with serving_session(
-        engines, work / "repository", models=["target"], log_path=work / "server.log", **settings
-    ) as server:
-        url = f"127.0.0.1:{server.grpc_port}"
+        engines, work / "repository", models=["target"], log_path=work / "server.log", **settings,
+        **(server or {}),
+    ) as srv:  # fmt: skip
+        url = f"127.0.0.1:{srv.grpc_port}"
         log(f"[sps] target on {url}; {len(sizes)} sizes × {len(contexts)} contexts through perf_analyzer")
         with tqdm(total=len(sizes) * len(contexts) * passes, unit="point", desc="sps") as bar:
             for k in range(passes):
@@ -207,6 +210,7 @@ def run_sweep(
         "command": "dspark sps " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["sps"] else "dspark sps",
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "passes": passes,
+        "server": {k: v for k, v in (server or {}).items() if v is not None},
     }
     first = curves[0]
     # the first curve is already the monotone fit (summarise): the table is it, labelled so

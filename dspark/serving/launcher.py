@@ -105,7 +105,7 @@ class Server:
         cmd = [
             str(binary),
             f"--model-repository={self.repository}",
-            f"--backend-directory={self.backend_directory or backends_dir()}",
+            f"--backend-directory={self.backends()}",
             f"--http-address={self.host}",
             f"--grpc-address={self.host}",
             f"--metrics-address={self.host}",
@@ -120,11 +120,35 @@ class Server:
         cmd += [f"--load-model={m}" for m in self.models]
         return cmd + self.extra_args
 
+    def backends(self) -> Path:
+        """The backends folder: the assembled pip one, the one given, or beside an external
+        binary (NVIDIA's layout: /opt/tritonserver/{bin,backends})."""
+        if self.backend_directory is not None:
+            found = Path(self.backend_directory)
+        elif self.binary is None:
+            return backends_dir()
+        else:
+            found = Path(self.binary).resolve().parent.parent / "backends"
+        if not (found / "python").is_dir():
+            raise ServerError(
+                f"{found} has no python backend (python/ with libtriton_python.so): give the external "
+                "server's backends folder with --backend-dir"
+            )
+        return found
+
+    def _bundled(self) -> bool:
+        if self.binary is None:
+            return True
+        try:
+            return Path(self.binary).resolve().is_relative_to(pytriton_root().resolve())
+        except ServerError:
+            return False
+
     def env(self) -> dict:
         env = dict(os.environ)
         venv_bin = str(Path(sys.executable).parent)
         env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
-        if self.binary is None:
+        if self._bundled():  # the wheel's binary, default or passed as "external"
             libs = pytriton_root().parent.parent / "nvidia_pytriton.libs"
             env["LD_LIBRARY_PATH"] = str(libs) + os.pathsep + env.get("LD_LIBRARY_PATH", "")
         env["PYTHONUNBUFFERED"] = "1"
@@ -134,6 +158,8 @@ class Server:
         return env
 
     def start(self, timeout: float = 120.0) -> Server:
+        if self.binary is not None and not os.access(self.binary, os.X_OK):
+            raise ServerError(f"--tritonserver {self.binary} is not an executable file")
         for name, port in (
             ("http", self.http_port),
             ("grpc", self.grpc_port),
@@ -204,23 +230,34 @@ def serving_session(
     ports: tuple[int, int, int] | None = None,
     host: str = "127.0.0.1",
     log_path: Path | None = None,
+    tritonserver: Path | None = None,
+    backend_dir: Path | None = None,
     **settings,
 ) -> Iterator[Server]:
-    """Render the repository for `profile` from an engine build, validate it, start tritonserver
-    (on free loopback ports unless `ports` = (http, grpc, metrics) are given) with `models` (all
-    rendered models by default), yield the ready Server, stop it on exit. `settings` go to
-    dspark.model_repository.render.render (num_slots, max_len, threads, sps_path, ...).
-    Raises RenderError or ServerError with a message that says what to do."""
+    """Render the repository for `profile` from an engine build, validate it (every file its
+    models load must exist), start tritonserver (the pip wheel's, or `tritonserver` with
+    `backend_dir`, e.g. NVIDIA's container's) on free loopback ports unless `ports` = (http,
+    grpc, metrics) are given, with `models` (all rendered models by default), yield the ready
+    Server, stop it on exit. `settings` go to dspark.model_repository.render.render (num_slots,
+    max_len, threads, sps_path, runtime, ...). Raises RenderError or ServerError with a message
+    that says what to do."""
     from dspark.model_repository.render import render, validate
 
     rendered = render(profile, Path(repository), Path(engines), target_dir, **settings)
-    validate(Path(repository), require_files=profile == "cpu")
+    validate(Path(repository))
     repo = Path(repository).resolve()
     chosen = models or rendered
-    server = (
-        Server(repo, chosen, *ports, host=host, log_path=log_path)
-        if ports is not None
-        else Server.on_free_ports(repo, chosen, log_path)
+    http, grpc, metrics = ports if ports is not None else (free_port(), free_port(), free_port())
+    server = Server(
+        repo,
+        chosen,
+        http,
+        grpc,
+        metrics,
+        host=host,
+        log_path=log_path,
+        binary=Path(tritonserver) if tritonserver else None,
+        backend_directory=Path(backend_dir) if backend_dir else None,
     )
     server.start()
     try:

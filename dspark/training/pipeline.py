@@ -59,10 +59,25 @@ def make_drafter(loaded: LoadedTarget, kind: str, vocab: torch.Tensor, **kw):
     return model.attach(loaded.model.model.embed_tokens.weight, loaded.model.lm_head.weight)
 
 
+def drafter_path(name_or_path: str) -> Path:
+    """A shipped drafter's folder by name (dspark, dflash, eagle3), else the path itself."""
+    return SHIPPED / name_or_path if (SHIPPED / name_or_path).is_dir() else Path(name_or_path)
+
+
+def load_drafter_meta(name_or_path: str) -> dict:
+    """drafter.json of a shipped drafter or checkpoint directory."""
+    return json.loads((drafter_path(name_or_path) / "drafter.json").read_text())
+
+
+def steps_so_far(summary: dict) -> int:
+    """Optimizer steps behind a drafter, through every run it continued."""
+    return int(summary.get("total_steps", summary.get("steps", 0)))
+
+
 def load_drafter(name_or_path: str, loaded: LoadedTarget):
     """A shipped drafter by name (dspark, dflash, eagle3) or a checkpoint directory; returns
     (model, STS or None)."""
-    path = SHIPPED / name_or_path if (SHIPPED / name_or_path).is_dir() else Path(name_or_path)
+    path = drafter_path(name_or_path)
     if not (path / "drafter.json").exists():
         shipped = sorted(p.name for p in SHIPPED.glob("*") if (p / "drafter.json").exists())
         raise FileNotFoundError(
@@ -184,4 +199,8 @@ def run_training(
     summary.update(
         kind=kind, vocab_size=len(vocab), vocab_coverage=coverage, training_sequences=len(files), data_mix=mix
     )
+    if init_from is not None:  # the lineage: what this run continued (its own summary, nested)
+        previous = load_drafter_meta(str(init_from)).get("summary", {})
+        summary["continued_from"] = {"path": str(init_from), **previous}
+        summary["total_steps"] = steps_so_far(previous) + summary.get("steps", 0)
     return {"model": model, "summary": summary, "held": held}

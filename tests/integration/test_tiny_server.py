@@ -40,7 +40,9 @@ def test_repository_renders_and_validates_for_both_profiles(tiny, tmp_path):
         models = render(profile, tmp_path / profile, eng, None, num_slots=4, max_len=96)
         cfgs = validate(tmp_path / profile, require_files=profile == "cpu")
         assert set(cfgs) == set(models) == {"target", "drafter_backbone", "drafter_head", "dspark"}
-    assert cfgs["drafter_head"].platform == "tensorrt_plan"
+    assert all(c.backend == "python" for c in cfgs.values())  # gpu: python models too (KIND_GPU)
+    with pytest.raises(RenderError, match="PROFILE=gpu"):
+        validate(tmp_path / "gpu")  # its TensorRT plans are not built here: named, never skipped
     cpu = validate(tmp_path / "cpu")
     assert all(c.backend == "python" for c in cpu.values())
     assert cpu["dspark"].model_transaction_policy.decoupled

@@ -44,3 +44,33 @@ def test_greedy_through_onnx_engines_equals_the_pytorch_target_on_eval_prompts(b
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     assert sum(r.stats.accepted_tokens for r in spec) > 0, "the shipped drafter accepted nothing"
     assert drafter.free_slots == 3 and ort_t.cache.free_slots == 3
+
+
+def test_the_greedy_gate_passes_ort_against_the_torch_runtime_on_real_prompts(built):
+    """The GPU build's greedy gate (engines/parity.py), run on the CPU: SmolLM2 + the shipped
+    drafter on ONNX Runtime (IOBinding, slots on the device) against the torch runtime."""
+    import copy
+
+    from dspark.engines.gpu_build import f32_drafter
+    from dspark.engines.parity import NEAR_TIE, greedy_parity, oracle_step_fn
+    from dspark.engines.runtimes import RuntimeSpec, torch_drafter_graphs, torch_target_graph
+    from dspark.training.pipeline import load_drafter
+
+    loaded, out = built
+    meta = json.loads((out / "drafter_meta.json").read_text())
+    drafter, _ = load_drafter("dspark", loaded)
+    cfg = loaded.model.cfg
+    target_graph = torch_target_graph(copy.deepcopy(loaded.model))
+    reference = (
+        OrtTargetRunner(target_graph, cfg, 3, 1024),
+        OrtDrafterRunner(torch_drafter_graphs(f32_drafter(drafter), meta), meta, 3),
+    )
+    candidate = (
+        OrtTargetRunner(session(out / "target.opt.onnx", 2), cfg, 3, 1024),
+        OrtDrafterRunner.open(out, RuntimeSpec(threads=2), 3),
+    )
+    prompts = [loaded.chat_ids(eval_prompts(name, 1)[0]) for name in ("gsm8k-test", "humaneval", "mt-bench")]
+    oracle = oracle_step_fn(lambda: OrtTargetRunner(target_graph, cfg, 1, 1024))
+    report = greedy_parity(reference, candidate, prompts, 32, loaded.stop_ids, oracle, NEAR_TIE["fp32"])
+    assert report["ok"], report
+    assert report["equal"] == 3, report  # fp32 on the same CPU: no near-tie flips either

@@ -12,10 +12,20 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
+def _tensor(name, value):
+    """numpy → a Triton tensor (a copy into shared memory); a torch tensor on the GPU → handed
+    over through DLPack, no copy here (Triton moves it where the caller asked for it)."""
+    if isinstance(value, np.ndarray):
+        return pb_utils.Tensor(name, np.ascontiguousarray(value))
+    return pb_utils.Tensor.from_dlpack(name, value)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        if args.get("model_instance_kind") in ("GPU", "KIND_GPU"):  # the instance's own GPU
+            params["device_id"] = args.get("model_instance_device_id", "0")
         sys.path.insert(0, params["code_root"])
         from dspark.model_repository.services import make_service
 
@@ -46,7 +56,7 @@ class TritonPythonModel:
                         inputs[name] = t.as_numpy()
                 out = self.service.handle(inputs)
                 wanted = set(request.requested_output_names()) or set(self.outputs)
-                tensors = [pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in out.items() if k in wanted]
+                tensors = [_tensor(k, v) for k, v in out.items() if k in wanted]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
             except RequestError as e:
                 err = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)

@@ -31,15 +31,26 @@ class _Sender:
         return self.sender.is_cancelled()
 
 
+_CPU_OUTPUTS = {}  # set in initialize when the engine models may answer with GPU tensors
+
+
+def _numpy(t):
+    if t.is_cpu():
+        return t.as_numpy()
+    from torch.utils.dlpack import from_dlpack  # a GPU tensor Triton did not move: copy it here
+
+    return from_dlpack(t.to_dlpack()).cpu().numpy()
+
+
 def _bls(model, inputs, outputs):
     tensors = [pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()]
     request = pb_utils.InferenceRequest(
-        model_name=model, requested_output_names=list(outputs), inputs=tensors
+        model_name=model, requested_output_names=list(outputs), inputs=tensors, **_CPU_OUTPUTS
     )
     response = request.exec()
     if response.has_error():
         raise RuntimeError(f"{model}: {response.error().message()}")
-    return {k: pb_utils.get_output_tensor_by_name(response, k).as_numpy() for k in outputs}
+    return {k: _numpy(pb_utils.get_output_tensor_by_name(response, k)) for k in outputs}
 
 
 class TritonPythonModel:
@@ -56,6 +67,8 @@ class TritonPythonModel:
         # idle OpenMP pool spins on the cores the target model's process needs during a BLS call
         torch.set_num_threads(1)
         self.inputs = [i["name"] for i in config["input"]]
+        if params.get("outputs") == "device":  # the target answers on the GPU: Triton copies to host once
+            _CPU_OUTPUTS["preferred_memory"] = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
         self.orchestrator = make_orchestrator(params, _bls, TritonMetricsBackend(pb_utils)).start()
 
     def execute(self, requests):
