@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dspark.cli.server_args import add_server_args, render_settings, server_settings
+from dspark.core.scheduler import DEFAULT_MODE
 from dspark.paths import REPO
 
 
@@ -36,7 +37,9 @@ def add_parsers(sub) -> None:
     s.add_argument("--max-new-tokens", type=int, default=1024)
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--sps", default="results/sps.json", help="SPS(B) table (else a quick startup probe)")
-    s.add_argument("--default-mode", default="dspark")
+    s.add_argument(
+        "--default-mode", default=DEFAULT_MODE, help=f"mode of requests naming none (default {DEFAULT_MODE})"
+    )
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 'busy' errors")
     s.add_argument(
         "--prefill-budget", type=int, default=2048,

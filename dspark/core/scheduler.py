@@ -55,6 +55,10 @@ MODES: tuple[str, ...] = (
 )
 """Valid forms of a request's mode (k: int ≥ 0, x: float in [0, 1]); `policy_for` builds its policy."""
 
+DEFAULT_MODE = "dspark-skip"
+"""The server's mode for requests that name none (issue 18, docs/decisions.md): Algorithm 1 with
+the option of not drafting for a request when drafting does not pay on this machine."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Shared helpers

@@ -26,6 +26,7 @@ import shutil
 from pathlib import Path
 from string import Template
 
+from dspark.core.scheduler import DEFAULT_MODE
 from dspark.paths import REPO
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -62,7 +63,7 @@ def render(
     threads: int = 2,
     max_active: int | None = None,
     max_new_tokens: int = 1024,
-    default_mode: str = "dspark",
+    default_mode: str = DEFAULT_MODE,
     sps_path: str = "",
     max_queue: int = 64,
     drafter_retry_s: float = 10.0,

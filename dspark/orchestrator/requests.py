@@ -10,6 +10,7 @@ import numpy as np
 
 from dspark.core.interfaces import Request, RequestError
 from dspark.core.sampling import SamplingParams
+from dspark.core.scheduler import DEFAULT_MODE
 
 DEFAULT_MAX_TOKENS = 128  # when a request does not say (capped by the room left in the context)
 INPUTS = (
@@ -32,7 +33,7 @@ class Limits:
     max_context: int  # prompt + max_tokens must fit
     max_new_tokens: int
     stop_ids: frozenset[int]
-    default_mode: str = "dspark"
+    default_mode: str = DEFAULT_MODE
     # per-request caps (issue 16); 0 = no cap beyond the context limit
     max_prompt_tokens: int = 0
     max_stop_strings: int = 8

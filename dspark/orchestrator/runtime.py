@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark.core.scheduler import DEFAULT_MODE
 from dspark.model_repository.services import target_config
 
 log = logging.getLogger("dspark.orchestrator")
@@ -119,7 +120,7 @@ def make_orchestrator(params: dict, call, metrics_backend=None):
         max_context=max_len,
         max_new_tokens=int(params.get("max_new_tokens", 1024)),
         stop_ids=frozenset(cfg.eos_token_ids),
-        default_mode=params.get("default_mode", "dspark") if drafter is not None else "off",
+        default_mode=params.get("default_mode", DEFAULT_MODE) if drafter is not None else "off",
         max_prompt_tokens=int(params.get("max_prompt_tokens", 0)),
         max_stop_strings=int(params.get("max_stop_strings", 8)),
         max_stop_chars=int(params.get("max_stop_chars", 128)),
