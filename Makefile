@@ -95,10 +95,15 @@ sps: setup
 	$(PY) -m dspark.cli sps --engines build/engines
 
 # Concurrency × mode sweep of streaming clients → results/bench.{json,csv} + plots
+# BENCH_MODES / BENCH_CONCURRENCY (comma lists) narrow or widen the sweep, e.g. issue 18's:
+#   make bench BENCH_MODES=off,dspark,dspark-skip BENCH_CONCURRENCY=1,2,4,8,16,32,64
 BENCH_TOKENS ?= 64
+BENCH_MODES ?=
+BENCH_CONCURRENCY ?=
 bench: setup
 	@[ -f build/engines/manifest.json ] || $(MAKE) engines
-	$(PY) -m dspark.cli bench --engines build/engines --max-tokens $(BENCH_TOKENS)
+	$(PY) -m dspark.cli bench --engines build/engines --max-tokens $(BENCH_TOKENS) \
+	  $(if $(BENCH_MODES),--modes $(BENCH_MODES)) $(if $(BENCH_CONCURRENCY),--concurrency $(BENCH_CONCURRENCY))
 
 lint: setup
 	$(PY) -m ruff check dspark tests
