@@ -213,7 +213,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dspark.models.loading import load_target
     from dspark.models.runners import runner_for
     from dspark.training.evaluate import rollout_traces
-    from dspark.training.pipeline import SHIPPED, load_drafter_meta, run_training, steps_so_far
+    from dspark.training.pipeline import SHIPPED, run_training
     from dspark.training.train import TrainConfig
 
     torch.set_num_threads(args.threads)
@@ -246,12 +246,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if summary["steps"] < tc.steps:
         print(f"[train] stopped at step {summary['steps']}/{tc.steps}; run the same command again to resume")
         return 0
-    history = summary["history"]
-    if args.init_from:  # one curve across the runs: the continued drafter's history, then this run's
-        previous = load_drafter_meta(args.init_from)
-        offset = steps_so_far(previous.get("summary", {}))
-        history = previous.get("history", []) + [{**h, "step": h["step"] + offset} for h in history]
-    extra = {"summary": {k: v for k, v in summary.items() if k != "history"}, "history": history}
+    extra = {"summary": {k: v for k, v in summary.items() if k != "history"}, "history": summary["history"]}
     if model.cfg.kind == "dspark" and res["held"] and args.sts_prompts > 0:
         prompts = [a["prompt_ids"] for a in res["held"][: args.sts_prompts]]
         print(

@@ -30,16 +30,20 @@ def is_holdout(key: str) -> bool:
     return int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100 < HOLDOUT_PERCENT
 
 
-def split_cache(answers_path: Path, cache_dir: Path) -> tuple[list[Path], list[dict]]:
-    """Training files (cached samples not held out) and held-out answer records."""
-    files, held = [], []
-    for a in read_answers(answers_path):
-        f = cache_dir / f"{a['pool']}-{a['index']}.npz"
+def split_cache(records, cache_dir: Path | None) -> tuple[list[Path], list[dict], list[list[int]]]:
+    """Of answer records: the training files (cached samples not held out), the held-out records,
+    and the answer tokens of every record not held out (cached or not; the draft vocabulary
+    counts them all). No cache folder: no files."""
+    files, held, tokens = [], [], []
+    for a in records:
         if is_holdout(a["key"]):
             held.append(a)
-        elif f.exists():
+            continue
+        tokens.append(a["answer_ids"])
+        f = cache_dir / f"{a['pool']}-{a['index']}.npz" if cache_dir is not None else None
+        if f is not None and f.exists():
             files.append(f)
-    return files, held
+    return files, held, tokens
 
 
 def make_drafter(loaded: LoadedTarget, kind: str, vocab: torch.Tensor, **kw):
@@ -131,18 +135,16 @@ def training_files(
     both sources whatever the mix, so that runs on different mixes differ only in their data."""
     if mix not in DATA_MIXES:
         raise ValueError(f"unknown data mix {mix!r}: choose one of {DATA_MIXES}")
-    own, held = split_cache(answers, cache)
+    own, held, token_lists = split_cache(read_answers(answers), cache)
     ref: list[Path] = []
-    if references is not None and ref_cache is not None and references.exists():
-        ref, _ = split_cache(references, ref_cache)
+    if references is not None and references.exists():
+        ref, _, ref_tokens = split_cache(read_answers(references), ref_cache)
+        token_lists += ref_tokens
     if mix != "on-policy" and not ref:
         raise FileNotFoundError(
             f"no teacher-forced samples in {ref_cache}: run `dspark data --references {references}` first"
         )
     files = {"on-policy": own, "reference": ref, "mix": own + ref}[mix]
-    token_lists = [a["answer_ids"] for a in read_answers(answers) if not is_holdout(a["key"])]
-    if references is not None and references.exists():
-        token_lists += [a["answer_ids"] for a in read_answers(references) if not is_holdout(a["key"])]
     return files, held, token_lists
 
 
@@ -199,8 +201,13 @@ def run_training(
     summary.update(
         kind=kind, vocab_size=len(vocab), vocab_coverage=coverage, training_sequences=len(files), data_mix=mix
     )
-    if init_from is not None:  # the lineage: what this run continued (its own summary, nested)
-        previous = load_drafter_meta(str(init_from)).get("summary", {})
+    if init_from is not None:  # the lineage: what this run continued, and one curve across the runs
+        meta = load_drafter_meta(str(init_from))
+        previous = meta.get("summary", {})
+        offset = steps_so_far(previous)
         summary["continued_from"] = {"path": str(init_from), **previous}
-        summary["total_steps"] = steps_so_far(previous) + summary.get("steps", 0)
+        summary["total_steps"] = offset + summary.get("steps", 0)
+        summary["history"] = meta.get("history", []) + [
+            {**h, "step": h["step"] + offset} for h in summary["history"]
+        ]
     return {"model": model, "summary": summary, "held": held}
