@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -354,8 +355,11 @@ class DSparkSkip(DSpark):
 
     Expected tokens per second of a plan with drafting set D (R requests in the round):
         no drafting:  R / t(R)
-        D non-empty:  (R + Σ_{r∈D} E_r) / (t_draft + Σ_{r∈D} t_catchup,r + t(R + Σ_{r∈D} ℓ_r))
-    where ℓ_r is what Algorithm 1 would verify on the last survivals, E_r their sum, and
+        D non-empty:  (R + Σ_{r∈D} E_r) / (t_draft(|D|) + Σ_{r∈D} t_catchup,r + t(R + Σ_{r∈D} ℓ_r))
+    where ℓ_r is what Algorithm 1 would verify on the last survivals, E_r their sum,
+    t_draft(n) the measured price of a draft call for n requests (issue 18: one constant
+    overpriced single drafts and underpriced refreshes of many), t the target step time
+    measured now (the SPS table's shape rescaled live, `core.costs.LiveSteps`), and
     t_catchup,r the measured price of feeding the features r committed while it did not draft
     (a lazy drafter feeds them when it drafts again). Sets
     D are the `forced` requests plus the top-k of the rest by E_r, k = 0..R (the best k wins,
@@ -373,12 +377,18 @@ class DSparkSkip(DSpark):
         self,
         last_conf: np.ndarray,
         available: np.ndarray,
-        draft_seconds: float | None,
+        draft_seconds: float | Callable[[np.ndarray], np.ndarray] | None,
         forced: np.ndarray | None = None,
         catchup_seconds: np.ndarray | None = None,
+        step_times: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> np.ndarray:
-        """bool [R]: which requests draft this round (catchup_seconds [R]: what drafting now
-        would cost each request to catch up; 0 by default)."""
+        """bool [R]: which requests draft this round.
+
+        `draft_seconds`: the draft call's price, a constant or a function of the number of
+        drafting requests (`core.costs.DraftCost`); None = not measured yet (everyone drafts).
+        `catchup_seconds` [R]: what drafting now would cost each request to catch up (0 by
+        default). `step_times`: t(B) for an array of B (default: the SPS table's; the batcher
+        passes `core.costs.LiveSteps`, the table rescaled to the steps measured now)."""
         last = np.asarray(last_conf, dtype=np.float64)
         available = np.asarray(available, dtype=np.int64)
         R = last.shape[0]
@@ -386,25 +396,32 @@ class DSparkSkip(DSpark):
         forced |= np.isnan(last).all(axis=1)
         if draft_seconds is None or R == 0:
             return np.ones(R, bool)
+        if callable(draft_seconds):
+            draft = draft_seconds
+        else:
+            draft = lambda n, c=float(draft_seconds): np.full(np.shape(n), c)  # noqa: E731
+        t = step_times or self.sps.step_times
         catchup = np.zeros(R) if catchup_seconds is None else np.asarray(catchup_seconds, dtype=np.float64)
         last = np.where(np.isnan(last), self.prior, last)
         ell = self.schedule(last, available)
         surv = prefix_survival(last)
-        gain = np.array([surv[r, : ell[r]].sum() for r in range(R)])
+        gain = np.where(np.arange(surv.shape[1])[None, :] < ell[:, None], surv, 0.0).sum(axis=1)
         rest = np.flatnonzero(~forced)
         rest = rest[np.argsort(-gain[rest], kind="stable")]
-        best, best_mask = -1.0, forced
-        for k in range(len(rest) + 1):
-            mask = forced.copy()
-            mask[rest[:k]] = True
-            if mask.any():
-                tokens = R + gain[mask].sum()
-                seconds = draft_seconds + catchup[mask].sum() + self.sps.step_time(R + int(ell[mask].sum()))
-            else:
-                tokens, seconds = float(R), self.sps.step_time(R)
-            if tokens / seconds > best:
-                best, best_mask = tokens / seconds, mask
-        return best_mask
+        # plan k (k = 0..len(rest)): the forced requests plus the k best of the rest
+        n = forced.sum() + np.arange(len(rest) + 1)
+        tokens = R + gain[forced].sum() + np.concatenate([[0.0], np.cumsum(gain[rest])])
+        verified = ell[forced].sum() + np.concatenate([[0], np.cumsum(ell[rest])])
+        extra = catchup[forced].sum() + np.concatenate([[0.0], np.cumsum(catchup[rest])])
+        seconds = np.where(
+            n > 0,
+            np.asarray(draft(np.maximum(n, 1)), dtype=np.float64) + extra + t(R + verified),
+            t(np.array([R])),
+        )
+        k = int(np.argmax(tokens / seconds))  # the first (smallest) k on ties
+        mask = forced.copy()
+        mask[rest[:k]] = True
+        return mask
 
 
 class SkipPlanner:
@@ -429,8 +446,13 @@ class SkipPlanner:
     # that the ramp-up (4, 8, 16, ... before the longest interval) stays inside it too
     REFRESH_SHARE = 0.005
 
+    REASONS = ("merit", "refresh", "new")
+    """Why a round makes a draft call, first that applies: some request pays on its own merits;
+    a request with a history is due for a refresh; a request without one (new) must draft."""
+
     def __init__(self, policy: DSparkSkip) -> None:
         self.policy = policy
+        self.reason: str | None = None  # why the last `choose` drafts (REASONS), None if it does not
         self._skipped: dict[int, int] = {}  # request → consecutive rounds without drafting
         self._refresh: dict[int, int] = {}  # request → rounds without drafting before a refresh
 
@@ -448,27 +470,46 @@ class SkipPlanner:
         rids: list[int],
         last_conf: np.ndarray,
         available: np.ndarray,
-        draft_seconds: float | None,
+        draft_seconds: float | Callable[[np.ndarray], np.ndarray] | None,
         catchup_seconds: np.ndarray | None = None,
+        step_times: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> np.ndarray:
         """bool [R]: which of these requests draft this round (`last_conf`: their last
         drafted round's confidences, NaN rows for none; `available`: drafts each may verify;
-        `catchup_seconds`: what drafting now would cost each to catch up its context)."""
+        `draft_seconds`, `catchup_seconds`, `step_times`: the prices, as in `DSparkSkip.plan`).
+        `reason` then says why a draft call happens this round (`REASONS`), None if none does."""
         refresh_round = round_index % self.REFRESH == 0
         skipped = np.array([self._skipped.get(r, 0) for r in rids])
         interval = np.array([self._refresh.get(r, self.REFRESH) for r in rids])
         forced = refresh_round & (skipped + 1 >= interval)
         has_history = ~np.isnan(np.asarray(last_conf, dtype=np.float64)).all(axis=1)
         plan = self.policy.plan
-        merit = plan(last_conf, available, draft_seconds, None, catchup_seconds) if forced.any() else None
-        mask = plan(last_conf, available, draft_seconds, forced, catchup_seconds)
-        cap = self.max_interval(draft_seconds, self.policy.sps.step_time(max(len(rids), 1)))
+        # what the plan picks on merit alone: requests with a history, nobody forced
+        merit = np.zeros(len(rids), bool)
+        if has_history.any():
+            h = np.flatnonzero(has_history)
+            catch = None if catchup_seconds is None else np.asarray(catchup_seconds)[h]
+            conf, avail = np.asarray(last_conf)[h], np.asarray(available)[h]
+            merit[h] = plan(conf, avail, draft_seconds, None, catch, step_times)
+        mask = plan(last_conf, available, draft_seconds, forced, catchup_seconds, step_times)
+        t = step_times or self.policy.sps.step_times
+        n_due = max(int(forced.sum()), 1)
+        refresh_cost = draft_seconds(np.array([n_due]))[0] if callable(draft_seconds) else draft_seconds
+        cap = self.max_interval(refresh_cost, float(t(np.array([max(len(rids), 1)]))[0]))
         for r, rid in enumerate(rids):
-            if merit is not None and forced[r] and not merit[r]:
+            if forced[r] and has_history[r] and not merit[r]:
                 self._refresh[rid] = min(2 * int(interval[r]), cap)
             elif mask[r] and has_history[r]:
                 self._refresh[rid] = self.REFRESH
             self._skipped[rid] = 0 if mask[r] else int(skipped[r]) + 1
+        if not mask.any():
+            self.reason = None
+        elif merit.any():
+            self.reason = "merit"
+        elif (forced & has_history).any():
+            self.reason = "refresh"
+        else:
+            self.reason = "new"
         return mask
 
     def interval(self, rid: int) -> int:

@@ -98,6 +98,10 @@ class SPSTable:
         """SPS(B), engine steps per second at B batch tokens (lookup rule in the class doc)."""
         return 1.0 / self.step_time(b)
 
+    def step_times(self, b) -> np.ndarray:
+        """Vectorised t(B) for an array of batch sizes (same rule as `step_time`)."""
+        return self._step_time_array(np.asarray(b, dtype=np.float64))
+
     def _step_time_array(self, b: np.ndarray) -> np.ndarray:
         """Vectorised t(B) for an array of batch sizes (same rule as `step_time`)."""
         b = np.asarray(b, dtype=np.float64)

@@ -34,6 +34,7 @@ import numpy as np
 
 from dspark.core import rounds
 from dspark.core.calibration import STS, clipped_survival, sigmoid
+from dspark.core.costs import LiveSteps
 from dspark.core.interfaces import Drafter, Request, Result, Target
 from dspark.core.rounds import SequenceState
 from dspark.core.sampling import make_generator
@@ -151,6 +152,26 @@ class Delivery:
         e.sink.error("cancelled")
 
 
+class _TimedTarget:
+    """The target, with each decode / verify step's seconds and batch tokens reported to the
+    batcher's `LiveSteps` (prefill steps, `last_only`, are not SPS steps and are not reported)."""
+
+    def __init__(self, inner: Target, batcher: Batcher) -> None:
+        self.inner = inner
+        self.batcher = batcher
+
+    def step(self, slots, tokens, last_only: bool = False):
+        t0 = time.perf_counter()
+        out = self.inner.step(slots, tokens, last_only=last_only)
+        live = self.batcher.live
+        if not last_only and live is not None:
+            live.observe(sum(len(t) for t in tokens), time.perf_counter() - t0)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 class Batcher:
     """Continuous batching of decoding requests over one target and (optionally) one drafter."""
 
@@ -166,10 +187,11 @@ class Batcher:
         drafter_retry_s: float = 10.0,
         prefill_budget: int = 2048,
     ) -> None:
-        self.target = target
         self.metrics = metrics or ServingMetrics(drafter.block_size if drafter is not None else 7)
         self.drafter = DrafterGuard(drafter, self.metrics, drafter_retry_s) if drafter is not None else None
         self.sps = sps
+        self.live = LiveSteps(sps) if sps is not None else None  # t(B) at today's level
+        self.target = _TimedTarget(target, self)
         self.calibration = calibration
         self.max_active = max_active
         self.admission = Admission(max_queue, prefill_budget)
@@ -189,6 +211,7 @@ class Batcher:
     def set_sps(self, sps: SPSTable) -> None:
         """Use a (newly measured) SPS table from now on; policies are rebuilt on next use."""
         self.sps = sps
+        self.live = LiveSteps(sps)
         self._policies.clear()
         self._planners.clear()
 
@@ -325,11 +348,13 @@ class Batcher:
         available = np.maximum([min(gamma, s.remaining - 1) for s in seqs], 0)
         per = self.drafter.catchup_seconds or 0.0
         catchup = np.array([per * self.drafter.catchup_positions(s.rid) for s in seqs])
-        mask = planner.choose(
-            self.rounds, [s.rid for s in seqs], last, available, self.drafter.seconds, catchup
-        )
+        cost = self.drafter.cost if self.drafter.cost.seen else None
+        live = self.live.step_times if self.live is not None and self.live.observed else None
+        mask = planner.choose(self.rounds, [s.rid for s in seqs], last, available, cost, catchup, live)
         if (~mask).any():
             self.metrics.inc("skipped_drafts_total", float((~mask).sum()))
+        if planner.reason is not None:
+            self.metrics.inc("draft_rounds_total", reason=planner.reason)
         return mask
 
     def _report_rounds(self, entries: list[Entry]) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+from dspark.core.costs import DraftCost
 from dspark.core.interfaces import Drafter, Proposal
 from dspark.orchestrator.metrics import ServingMetrics
 
@@ -35,7 +36,7 @@ class DrafterGuard(Drafter):
         self.block_size = inner.block_size
         self.vocab_size = getattr(inner, "vocab_size", 0)
         self.lost: dict[int, str] = {}
-        self.seconds: float | None = None  # moving average of one propose call, catch-up excluded
+        self.cost = DraftCost()  # seconds of one propose call by its number of requests, catch-up excluded
         self.catchup_seconds: float | None = None  # moving average per position fed by a catch-up
         self.down_until = 0.0  # monotonic time before which new requests do not draft
 
@@ -83,8 +84,7 @@ class DrafterGuard(Drafter):
             self.catchup_seconds = (
                 per if self.catchup_seconds is None else 0.8 * self.catchup_seconds + 0.2 * per
             )
-        base = max(seconds - max(fed_s, 0.0), 0.0)  # one draft call without any catch-up
-        self.seconds = base if self.seconds is None else 0.8 * self.seconds + 0.2 * base
+        self.cost.observe(len(rids), max(seconds - max(fed_s, 0.0), 0.0))  # without the catch-up
         return prop
 
     def catchup_positions(self, rid: int) -> int:

@@ -18,6 +18,7 @@ Families (all prefixed `dspark_`):
   drafter_available                  gauge: 1 while drafting, 0 during a fallback to target-only
   fallback_events_total{reason}      drafter failures that switched requests to target-only
   skipped_drafts_total               dspark-skip: request-rounds that decided not to draft
+  draft_rounds_total{reason}         dspark-skip: rounds with a draft call, by why (merit | refresh | new)
   rounds_total / round_seconds_total          busy batcher rounds and their wall time
   bls_calls_total{model_called} / bls_seconds_total{model_called}   BLS calls and time inside them
   bls_bytes_total{model_called, direction}                          tensor bytes sent (in) / received (out)
@@ -182,6 +183,7 @@ DESCRIPTIONS = {
     "calibration_realized_survival": "Mean realized prefix survival, per position",
     "sps_table": "The SPS table in use (label source)",
     "skipped_drafts_total": "Request-rounds where dspark-skip decided drafting would not pay",
+    "draft_rounds_total": "dspark-skip rounds with a draft call, by reason: merit, refresh, new",
     "rounds_total": "Batcher rounds that ran at least one request",
     "bls_calls_total": "BLS calls from the orchestrator, per called model",
     "bls_seconds_total": "Seconds inside BLS calls (transport + the model's execution), per called model",

@@ -1,5 +1,6 @@
 """The in-flight batching engine against the reference loop (tiny models)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -235,6 +236,21 @@ def test_metrics_count_every_verified_and_accepted_draft():
     assert cal["realized"][0] == pytest.approx(sum(t.accepted >= 1 for t in verified) / len(verified))
 
 
+class _FixedPrice:
+    """A draft call's price held fixed whatever is measured (the plan's input under test)."""
+
+    seen = True
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def observe(self, n, seconds) -> None:
+        pass
+
+    def __call__(self, n):
+        return np.full(np.shape(n), self.seconds)
+
+
 def test_dspark_skip_decodes_the_same_tokens_whether_it_drafts_or_not():
     """A free draft round: only requests whose scheduled ℓ would be 0 skip; a prohibitive one:
     only requests without history (first round) or due for a refresh draft; the tokens are
@@ -249,7 +265,7 @@ def test_dspark_skip_decodes_the_same_tokens_whether_it_drafts_or_not():
         for r, s in zip(reqs, sinks):
             eng.submit(r, "dspark-skip", s)
         eng.step()  # the first round drafts (no confidences yet) and measures the draft cost
-        eng.drafter.seconds = draft_seconds
+        eng.drafter.cost = _FixedPrice(draft_seconds)
         eng.run_until_idle(500)
         assert [s.out for s in sinks] == plain
         skipped[draft_seconds] = eng.metrics.counter("skipped_drafts_total")
@@ -258,6 +274,14 @@ def test_dspark_skip_decodes_the_same_tokens_whether_it_drafts_or_not():
         assert drafted_rounds + skipped[draft_seconds] == all_rounds
         if draft_seconds > 0:
             assert drafted_rounds <= 6 + all_rounds / SkipPlanner.REFRESH
+        # every round with a draft call is counted once, with why; the target steps were timed
+        reasons = {r: eng.metrics.counter("draft_rounds_total", reason=r) for r in SkipPlanner.REASONS}
+        assert reasons["new"] == 1  # the first round: nobody has confidences yet
+        if draft_seconds > 0:
+            assert reasons["merit"] == 0 and reasons["refresh"] >= 1
+        else:
+            assert reasons["merit"] >= 1
+        assert eng.live.observed > 0 and eng.live.scale > 0
     assert skipped[0.0] < skipped[1e6]
 
 
@@ -269,7 +293,7 @@ def test_dspark_skip_refreshes_back_off_while_drafting_does_not_pay_and_reset_wh
     sink = Collect()
     eng.submit(req, "dspark-skip", sink)
     eng.step()  # first round: drafts (no confidences yet), measures the draft cost
-    eng.drafter.seconds = 1e6  # drafting can never pay: only refreshes draft
+    eng.drafter.cost = _FixedPrice(1e6)  # drafting can never pay: only refreshes draft
     drafted_at, intervals = [], []
     for step in range(1, 66):
         before = len(eng.active[0].seq.trace)
@@ -283,7 +307,7 @@ def test_dspark_skip_refreshes_back_off_while_drafting_does_not_pay_and_reset_wh
     # REFRESH_MAX (issue 18); with a cheap draft call it would stop there
     assert max(intervals) == 2 * SkipPlanner.REFRESH_MAX
     assert eng.planner("dspark-skip").max_interval(1e-3, 1.0) == SkipPlanner.REFRESH_MAX
-    eng.drafter.seconds = 0.0  # now a draft call is free: the next refresh pays and resets the interval
+    eng.drafter.cost = _FixedPrice(0.0)  # a free draft call: the next refresh pays, resets the interval
     eng.run_until_idle(200)
     assert sink.out == plain
 

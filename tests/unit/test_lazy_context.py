@@ -16,6 +16,7 @@ from dspark.models.block_drafter import BlockDrafterRunner
 from dspark.models.target import TargetRunner
 from tests.conftest import TINY, tiny_target
 from tests.unit.test_block_drafter import _drafter
+from tests.unit.test_engine import _FixedPrice
 from tests.unit.test_engines import _build, _target32
 
 SPS = SPSTable.from_step_times([1, 64], [1.0, 1.0 + 0.05 * 63])
@@ -132,7 +133,7 @@ def test_a_round_in_which_nobody_drafts_makes_exactly_one_model_call(ort_build):
     for req, sink in zip(reqs, sinks):
         eng.submit(req, "dspark-skip", sink)
     eng.step()  # admission + the first round: everyone drafts (no confidences yet)
-    eng.drafter.seconds = 1e6  # from now on drafting never pays
+    eng.drafter.cost = _FixedPrice(1e6)  # from now on drafting never pays
     counted = 0
     for _ in range(12):
         refresh_round = (eng.rounds + 1) % SkipPlanner.REFRESH == 0

@@ -659,6 +659,76 @@ def test_skip_drafting_plan_maximises_expected_tokens_per_second():
     assert policy_for("dspark-skip", sps).name == "dspark-skip"
 
 
+def test_skip_plan_prices_the_draft_call_by_its_batch_and_the_steps_measured_now():
+    """The vectorised plan equals the plain loop over k (forced + top-k by expected gain) for
+    draft costs that depend on the number of drafting requests, catch-up prices and a rescaled
+    step-time curve; and it is never worse than any drafting set by more than 10%."""
+    from dspark.core.costs import LiveSteps
+    from dspark.core.scheduler import DSparkSkip, prefix_survival
+
+    sps = SPSTable.from_step_times([1, 8, 32], [0.010, 0.016, 0.040])
+    pol = DSparkSkip(sps)
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        R = int(rng.integers(1, 7))
+        stale = rng.uniform(0.05, 0.98, (R, 7))
+        stale[rng.uniform(size=R) < 0.2] = np.nan  # no history: forced
+        max_len = rng.integers(0, 8, R)
+        a, b = rng.choice([0.0, 0.004, 0.02]), rng.choice([0.0, 0.001, 0.01])
+
+        def draft(n, a=a, b=b):
+            return a + b * np.asarray(n, dtype=np.float64)
+
+        catch = rng.uniform(0, 0.004, R)
+        forced = rng.uniform(size=R) < 0.2
+        live = LiveSteps(sps)
+        live.observe(8, float(rng.choice([0.016, 0.040])))
+        mask = pol.plan(stale, max_len, draft, forced, catch, live.step_times)
+
+        filled = np.where(np.isnan(stale), pol.prior, stale)
+        ell = pol.schedule(filled, max_len)
+        gain = np.array([prefix_survival(filled)[r, : ell[r]].sum() for r in range(R)])
+        must = forced | np.isnan(stale).all(axis=1)
+
+        def rate(m, R=R, gain=gain, ell=ell, catch=catch, draft=draft, live=live):
+            m = np.asarray(m, bool)
+            if not m.any():
+                return R / live.step_time(R)
+            secs = draft(m.sum()) + catch[m].sum() + live.step_time(R + int(ell[m].sum()))
+            return (R + gain[m].sum()) / secs
+
+        rest = np.flatnonzero(~must)
+        rest = rest[np.argsort(-gain[rest], kind="stable")]
+        best, oracle = -1.0, None
+        for k in range(len(rest) + 1):  # the plain loop, as it was before vectorising
+            m = must.copy()
+            m[rest[:k]] = True
+            if rate(m) > best:
+                best, oracle = rate(m), m
+        assert (mask == oracle).all()
+        brute = max(rate(must | np.array(m, bool)) for m in itertools.product([0, 1], repeat=R))
+        assert rate(mask) >= 0.9 * brute
+
+
+def test_skip_planner_says_why_a_round_drafts():
+    from dspark.core.scheduler import DSparkSkip, SkipPlanner
+
+    sps = SPSTable.from_step_times([1, 64], [0.02, 0.64])  # each verified token costs 10 ms
+    planner = SkipPlanner(DSparkSkip(sps))
+    poor, rich, none = np.full(7, 0.05), np.full(7, 0.95), np.full(7, np.nan)
+    avail = np.full(2, 7)
+    assert planner.choose(1, [0, 1], np.stack([none, poor]), avail, 1.0).tolist() == [True, False]
+    assert planner.reason == "new"
+    assert not planner.choose(2, [0, 1], np.stack([poor, poor]), avail, 1.0).any()
+    assert planner.reason is None
+    assert planner.choose(3, [0, 1], np.stack([rich, poor]), avail, 0.001)[0]
+    assert planner.reason == "merit"
+    # round 4 is a refresh round: request 1 has not drafted for 3 rounds and is due
+    assert planner.choose(4, [0, 1], np.stack([poor, poor]), avail, 1.0).tolist() == [False, True]
+    assert planner.reason == "refresh"
+    assert planner.interval(1) == 2 * SkipPlanner.REFRESH  # the refresh did not pay: back off
+
+
 def test_sps_sweep_summary_takes_the_median_over_passes_and_fits_it_monotone():
     from dspark.perf.sps import summarise
 
