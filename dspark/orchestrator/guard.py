@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 
-from dspark.core.costs import DraftCost
 from dspark.core.interfaces import Drafter, Proposal
 from dspark.orchestrator.metrics import ServingMetrics
 
@@ -36,7 +35,7 @@ class DrafterGuard(Drafter):
         self.block_size = inner.block_size
         self.vocab_size = getattr(inner, "vocab_size", 0)
         self.lost: dict[int, str] = {}
-        self.cost = DraftCost()  # seconds of one propose call by its number of requests, catch-up excluded
+        self.last_catchup_s = 0.0  # seconds the last propose call spent catching up lazy contexts
         self.catchup_seconds: float | None = None  # moving average per position fed by a catch-up
         self.down_until = 0.0  # monotonic time before which new requests do not draft
 
@@ -77,14 +76,14 @@ class DrafterGuard(Drafter):
         except Exception as exc:  # noqa: BLE001
             raise DrafterFailure(str(exc)) from exc
         seconds = time.perf_counter() - t0
-        after = self.inner.catchup_totals()
+        after = self.inner.catchup_totals()  # the catch-up's own price is measured apart
         fed, fed_s = after[0] - before[0], after[1] - before[1]
         if fed > 0:  # the catch-up's own price, per position (dspark-skip's cost model reads it)
             per = fed_s / fed
             self.catchup_seconds = (
                 per if self.catchup_seconds is None else 0.8 * self.catchup_seconds + 0.2 * per
             )
-        self.cost.observe(len(rids), max(seconds - max(fed_s, 0.0), 0.0))  # without the catch-up
+        self.last_catchup_s = min(max(fed_s, 0.0), seconds)
         return prop
 
     def catchup_positions(self, rid: int) -> int:

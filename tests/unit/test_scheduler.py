@@ -717,16 +717,20 @@ def test_skip_planner_says_why_a_round_drafts():
     planner = SkipPlanner(DSparkSkip(sps))
     poor, rich, none = np.full(7, 0.05), np.full(7, 0.95), np.full(7, np.nan)
     avail = np.full(2, 7)
-    assert planner.choose(1, [0, 1], np.stack([none, poor]), avail, 1.0).tolist() == [True, False]
+    # the very first request: no confidence seen at all, it drafts to learn one
+    assert planner.choose(1, [0], none[None], avail[:1], 1.0).tolist() == [True]
     assert planner.reason == "new"
-    assert not planner.choose(2, [0, 1], np.stack([poor, poor]), avail, 1.0).any()
+    # a new request (1) is judged on the others' confidences: poor, so nobody drafts
+    assert not planner.choose(2, [0, 1], np.stack([poor, none]), avail, 1.0).any()
     assert planner.reason is None
     assert planner.choose(3, [0, 1], np.stack([rich, poor]), avail, 0.001)[0]
     assert planner.reason == "merit"
-    # round 4 is a refresh round: request 1 has not drafted for 3 rounds and is due
+    # round 4 is on the refresh grid: request 1 has not drafted for 2 rounds (≥ 4 / 2) and is due
     assert planner.choose(4, [0, 1], np.stack([poor, poor]), avail, 1.0).tolist() == [False, True]
     assert planner.reason == "refresh"
     assert planner.interval(1) == 2 * SkipPlanner.REFRESH  # the refresh did not pay: back off
+    assert planner.start == 2 * SkipPlanner.REFRESH  # and so do the requests still to come
+    assert planner.interval(99) == planner.start
 
 
 def test_sps_sweep_summary_takes_the_median_over_passes_and_fits_it_monotone():
