@@ -9,13 +9,16 @@ expected to add. That compares two measured quantities that must be on the same 
   the level of the target steps measured in this process (a moving average of measured / table).
 * the draft call's seconds for n drafting requests. One constant misprices both ends: a refresh
   round that drafts for 32 requests costs several times a round that drafts for one.
-  `DraftCost` keeps a moving average per band of n (1, 2, 3–4, 5–8, ...) and interpolates.
+  `DraftCost` keeps the median of recent calls per band of n (1, 2, 3–4, 5–8, ...) and
+  interpolates; a band's first call (an engine's warm-up) is dropped.
 
 Both are pure Python/numpy (no clocks: callers pass measured seconds) so that tests can drive
 them with exact numbers.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -57,19 +60,26 @@ class LiveSteps:
 
 
 class DraftCost:
-    """Seconds of one draft call as a function of n, the number of requests drafting in it.
+    """Seconds of a call as a function of n, the number of requests in it (a draft call, or the
+    non-model part of a round).
 
-    Calls are grouped in bands of n with edges at powers of two (1, 2, 3–4, 5–8, 9–16, ...); each
-    band keeps a moving average (weight `alpha`) of the seconds and of n. The cost at any n is the
-    piecewise-linear interpolation through the bands seen so far (in their mean n), extended past
-    the last band with the slope of the last two (never below 0 per extra request), or in
-    proportion to n from a single band above it and flat below it. None until a call is seen."""
+    Calls are grouped in bands of n with edges at powers of two (1, 2, 3–4, 5–8, 9–16, ...), the
+    batch buckets the engines are built for. Each band keeps its last `window` calls and reads
+    their median (n and seconds): one slow call (a VM hiccup) moves nothing. The FIRST call of a
+    band is not kept: it carries one-time costs (an engine bucket's first inference, allocator
+    growth) that can be many times a normal call, and a price that high would stop the very
+    calls that would correct it (a request that never drafts is never measured again). The
+    cost at any n is the piecewise-linear interpolation through the bands (in their median n),
+    extended past the last band with the slope of the last two (never below 0 per extra request),
+    or in proportion to n from a single band above it and flat below it. `seen` is False until a
+    call has been kept."""
 
-    def __init__(self, alpha: float = 0.2) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
-        self._bands: dict[int, list[float]] = {}  # band → [mean n, mean seconds]
+    def __init__(self, window: int = 9) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._bands: dict[int, deque[tuple[float, float]]] = {}  # band → recent (n, seconds)
+        self._warm: set[int] = set()  # bands whose first call has been seen (and dropped)
 
     @staticmethod
     def band(n: int) -> int:
@@ -79,31 +89,36 @@ class DraftCost:
         if n < 1 or not np.isfinite(seconds) or seconds < 0:
             return
         k = self.band(n)
-        if k not in self._bands:
-            self._bands[k] = [float(n), float(seconds)]
-        else:
-            m = self._bands[k]
-            m[0] += self.alpha * (n - m[0])
-            m[1] += self.alpha * (seconds - m[1])
+        if k not in self._warm:
+            self._warm.add(k)
+            return
+        self._bands.setdefault(k, deque(maxlen=self.window)).append((float(n), float(seconds)))
 
     @property
     def seen(self) -> bool:
         return bool(self._bands)
 
+    def _points(self) -> tuple[np.ndarray, np.ndarray]:
+        pts = sorted(
+            (float(np.median([c[0] for c in q])), float(np.median([c[1] for c in q])))
+            for q in self._bands.values()
+        )
+        return np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+
     @property
     def mean(self) -> float | None:
-        """The cost of the most common kind of call seen (for logs), None before any."""
+        """The mean over bands of their median call (for logs), None before any."""
         if not self._bands:
             return None
-        return float(np.mean([s for _, s in self._bands.values()]))
+        return float(self._points()[1].mean())
 
     def __call__(self, n: ArrayLike) -> np.ndarray:
-        """Seconds of a draft call for each n (an array; raises if no call was observed)."""
+        """Seconds of a call for each n (an array; raises if no call was kept yet)."""
         if not self._bands:
-            raise ValueError("DraftCost has no measurement yet: observe a draft call first")
-        pts = sorted(self._bands.values())
-        xs = np.array([p[0] for p in pts])
-        ys = np.array([p[1] for p in pts])
+            raise ValueError(
+                "DraftCost has no measurement yet: observe a call first (the first one per band is a warm-up)"
+            )
+        xs, ys = self._points()
         n = np.asarray(n, dtype=np.float64)
         out = np.interp(n, xs, ys)  # flat outside [xs[0], xs[-1]]
         if len(xs) >= 2:

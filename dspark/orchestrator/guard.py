@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+
+import numpy as np
 
 from dspark.core.interfaces import Drafter, Proposal
 from dspark.orchestrator.metrics import ServingMetrics
@@ -36,7 +39,8 @@ class DrafterGuard(Drafter):
         self.vocab_size = getattr(inner, "vocab_size", 0)
         self.lost: dict[int, str] = {}
         self.last_catchup_s = 0.0  # seconds the last propose call spent catching up lazy contexts
-        self.catchup_seconds: float | None = None  # moving average per position fed by a catch-up
+        self.catchup_seconds: float | None = None  # median price per position fed by a catch-up
+        self._catchup_prices: deque[float] | None = None  # recent per-position prices (None: warm-up)
         self.down_until = 0.0  # monotonic time before which new requests do not draft
 
     @property
@@ -79,10 +83,11 @@ class DrafterGuard(Drafter):
         after = self.inner.catchup_totals()  # the catch-up's own price is measured apart
         fed, fed_s = after[0] - before[0], after[1] - before[1]
         if fed > 0:  # the catch-up's own price, per position (dspark-skip's cost model reads it)
-            per = fed_s / fed
-            self.catchup_seconds = (
-                per if self.catchup_seconds is None else 0.8 * self.catchup_seconds + 0.2 * per
-            )
+            if self._catchup_prices is None:  # the context engine's first call is its warm-up
+                self._catchup_prices = deque(maxlen=9)
+            else:
+                self._catchup_prices.append(fed_s / fed)
+                self.catchup_seconds = float(np.median(self._catchup_prices))
         self.last_catchup_s = min(max(fed_s, 0.0), seconds)
         return prop
 

@@ -28,11 +28,30 @@ def test_live_steps_keep_the_tables_shape_at_the_measured_level():
         LiveSteps(TABLE, alpha=0.0)
 
 
-def test_draft_cost_interpolates_between_bands_and_extends_past_them():
-    cost = DraftCost(alpha=1.0)  # alpha 1: each band holds its last call exactly
+def _warm(cost: DraftCost, *bands: int) -> DraftCost:
+    for n in bands:  # the first call of each band is a warm-up and is dropped
+        cost.observe(n, 100.0)
+    return cost
+
+
+def test_draft_cost_drops_each_bands_first_call_and_reads_medians():
+    cost = DraftCost()
+    cost.observe(1, 5.0)  # an engine's first inference: 500× a normal call
     assert not cost.seen and cost.mean is None
-    with pytest.raises(ValueError, match="observe a draft call"):
+    with pytest.raises(ValueError, match="observe a call first"):
         cost(np.array([1]))
+    for s in (0.010, 0.011, 0.5, 0.009):  # one hiccup among normal calls
+        cost.observe(1, s)
+    assert cost(np.array([1]))[0] == pytest.approx(0.0105)  # median of the four kept
+    for _ in range(9):  # the window holds the last 9 calls: a slower machine takes over
+        cost.observe(1, 0.020)
+    assert cost(np.array([1]))[0] == pytest.approx(0.020)
+    with pytest.raises(ValueError):
+        DraftCost(window=0)
+
+
+def test_draft_cost_interpolates_between_bands_and_extends_past_them():
+    cost = _warm(DraftCost(window=1), 1, 16, 32, 4)
     cost.observe(1, 0.010)
     # one band: flat below it, in proportion to n above it (never cheaper per request)
     assert cost(np.array([1, 4])) == pytest.approx([0.010, 0.040])
@@ -46,19 +65,8 @@ def test_draft_cost_interpolates_between_bands_and_extends_past_them():
     cost.observe(4, -1.0)
     cost.observe(4, float("nan"))
     assert cost(np.array([32])) == pytest.approx([0.090])
-
-
-def test_draft_cost_moving_average_per_band_follows_a_slower_machine():
-    cost = DraftCost(alpha=0.2)
-    for _ in range(50):
-        cost.observe(1, 0.010)
-        cost.observe(32, 0.100)
-    for _ in range(60):  # the machine slows down 2× for single drafts
-        cost.observe(1, 0.020)
-    one, many = cost(np.array([1, 32]))
-    assert one == pytest.approx(0.020, rel=1e-3) and many == pytest.approx(0.100)
     # a flat extension never makes more requests cheaper than fewer
-    cost2 = DraftCost(alpha=1.0)
+    cost2 = _warm(DraftCost(window=1), 2, 8)
     cost2.observe(2, 0.05)
     cost2.observe(8, 0.03)  # noise: a larger call measured cheaper
     assert cost2(np.array([16]))[0] == pytest.approx(0.03)
