@@ -104,6 +104,7 @@ class RemoteDrafter(Drafter):
         self.num_slots = num_slots
         self.new_positions = int(meta.get("new_positions", 0))  # fed inside the backbone call
         self.pending: dict[int, list[np.ndarray]] = {}
+        self.known: set[int] = set()  # requests the backbone model holds a context for (drafted once)
         self._catchup = (0, 0.0)  # the backbone model's running totals, from its last answer
 
     @property
@@ -125,12 +126,18 @@ class RemoteDrafter(Drafter):
         return self._catchup
 
     def end(self, rid: int) -> None:
-        if self.pending.pop(rid, None) is not None:
+        """Release the request's context in the backbone model: one BLS call, and none at all
+        for a request that never drafted (under load dspark-skip's usual case, issue 18: the
+        model never saw it)."""
+        self.pending.pop(rid, None)
+        if rid in self.known:
+            self.known.discard(rid)
             self.call("drafter_backbone", {"release_ids": np.array([rid], np.int64)}, [])
 
     def propose(self, rids, anchors, params, gens) -> Proposal:
         empty = np.zeros((0, self.feature_size), np.float32)
         chunks = [np.concatenate(self.pending[r]) if self.pending[r] else empty for r in rids]
+        self.known.update(rids)  # before the call: a call that fails halfway may have made state
         out = self.call(
             "drafter_backbone",
             {

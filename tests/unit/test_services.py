@@ -224,3 +224,27 @@ def test_head_block_entry_equals_the_step_entry_with_sampling_in_the_orchestrato
     for change, msg in bad:
         with pytest.raises(RequestError, match=msg):
             head.handle({**block, **change})
+
+
+def test_a_request_that_never_drafted_costs_no_release_call(built):
+    """dspark-skip under a prohibitive draft price: most requests never draft, and ending them
+    makes no call to the backbone model (it never held their context); the ones that drafted are
+    released. Tokens equal the target alone; every slot is free at the end."""
+    from tests.unit.test_engine import _FixedPrice
+
+    target, out = built
+    svcs, call, meta, calls = _services(out)
+    reqs = _reqs(5)
+    plain = [r.tokens for r in generate(TargetRunner(target, 5, 96), reqs)]
+    eng = Batcher(RemoteTarget(call, TINY.vocab_size, 3, 96), RemoteDrafter(call, meta, 3), SPS, None, 3)
+    eng.draft_cost = _FixedPrice(1e6)
+    sinks = [Collect() for _ in reqs]
+    for r, s in zip(reqs, sinks):
+        eng.submit(r, "dspark-skip", s)
+    eng.run_until_idle(500)
+    assert [s.out for s in sinks] == plain
+    drafted = sum(1 for s in sinks if s.result.trace)
+    assert 1 <= drafted < len(reqs)
+    assert calls.count("drafter_backbone:release") == drafted
+    assert svcs["target"].active == 0 and not svcs["drafter_backbone"].known
+    assert svcs["drafter_backbone"].drafter.free_slots == 3
