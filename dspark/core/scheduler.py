@@ -442,8 +442,12 @@ class SkipPlanner:
     * refreshes are aligned on a grid: a request with interval I is due only in rounds that are
       multiples of I (and at least I/2 rounds after its last draft); intervals are REFRESH · 2^j,
       so the requests due share one draft call however staggered their arrivals;
-    * a new request starts at the population's interval (`start`), which doubles with each
-      refresh that did not pay and halves with each request picked on merit;
+    * a new request starts at the population's interval (`start` = REFRESH · 2^round(level)):
+      each refresh that did not pay raises `level` by a quarter, each request picked on its own
+      merits lowers it by one. It climbs to the longest interval only while fewer than one
+      refresh in five is followed by drafting that pays: at one client, where refreshes find the
+      stretches in which drafting pays (code, arithmetic), new requests keep probing early; at
+      32 clients, where drafting never pays, they start at the longest interval;
     * a new request is judged on the population's confidences (the mean of the last drafted
       round of the requests with a history) instead of drafting blindly; only when the planner
       has never seen a confidence does it draft to learn one.
@@ -458,6 +462,8 @@ class SkipPlanner:
     # that the ramp-up (4, 8, 16, ... before the longest interval) stays inside it too
     REFRESH_SHARE = 0.005
 
+    BACK_OFF = 0.25  # the population's level rises by this per refresh that did not pay, -1 per merit pick
+
     REASONS = ("merit", "refresh", "new")
     """Why a round makes a draft call, first that applies: some request pays on its own merits;
     a request with a history is due for a refresh; a request without one must draft (the planner
@@ -466,7 +472,7 @@ class SkipPlanner:
     def __init__(self, policy: DSparkSkip) -> None:
         self.policy = policy
         self.reason: str | None = None  # why the last `choose` drafts (REASONS), None if it does not
-        self.start = self.REFRESH  # a new request's refresh interval (the population's back-off)
+        self.level = 0.0  # the population's back-off: a new request's interval is REFRESH · 2^round(level)
         self.population: np.ndarray | None = None  # mean last-round confidences of the requests seen
         self._skipped: dict[int, int] = {}  # request → consecutive rounds without drafting
         self._refresh: dict[int, int] = {}  # request → its refresh interval
@@ -518,13 +524,14 @@ class SkipPlanner:
         n_due = max(int(forced.sum()), 1)
         refresh_cost = draft_seconds(np.array([n_due]))[0] if callable(draft_seconds) else draft_seconds
         cap = self.max_interval(refresh_cost, float(t(np.array([max(len(rids), 1)]))[0]))
+        top = math.log2(cap / self.REFRESH)
         for r, rid in enumerate(rids):
             if forced[r] and not merit[r]:  # a refresh that did not pay: back off
                 self._refresh[rid] = min(2 * int(interval[r]), cap)
-                self.start = min(2 * self.start, cap)
+                self.level = min(self.level + self.BACK_OFF, top)
             elif mask[r] and merit[r]:  # drafting pays for it again
                 self._refresh[rid] = self.REFRESH
-                self.start = max(self.start // 2, self.REFRESH)
+                self.level = max(self.level - 1.0, 0.0)
             else:
                 self._refresh[rid] = int(interval[r])
             self._skipped[rid] = 0 if mask[r] else int(skipped[r]) + 1
@@ -537,6 +544,11 @@ class SkipPlanner:
         else:
             self.reason = "new"
         return mask
+
+    @property
+    def start(self) -> int:
+        """A new request's refresh interval: the population's back-off."""
+        return self.REFRESH * 2 ** round(self.level)
 
     def interval(self, rid: int) -> int:
         """Rounds without drafting after which request `rid` drafts again (a refresh)."""

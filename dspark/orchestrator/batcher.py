@@ -379,7 +379,20 @@ class Batcher:
             self.metrics.inc("skipped_drafts_total", float((~mask).sum()))
         if planner.reason is not None:
             self.metrics.inc("draft_rounds_total", reason=planner.reason)
+        self._report_prices(len(seqs), cost, live or policy.sps.step_times, per)
         return mask
+
+    def _report_prices(self, R: int, cost, step_times, catchup_position: float) -> None:
+        """The prices dspark-skip just planned with, as gauges (an operator's "why does it not
+        draft?"): a drafting round for 1 and for all R requests, a target step of 1 and R."""
+        if cost is not None:
+            d = cost(np.array([1, max(R, 1)]))
+            self.metrics.set_gauge("skip_price_seconds", float(d[0]), what="draft_1")
+            self.metrics.set_gauge("skip_price_seconds", float(d[1]), what="draft_R")
+        t = step_times(np.array([1, max(R, 1)]))
+        self.metrics.set_gauge("skip_price_seconds", float(t[0]), what="step_1")
+        self.metrics.set_gauge("skip_price_seconds", float(t[1]), what="step_R")
+        self.metrics.set_gauge("skip_price_seconds", catchup_position, what="catchup_position")
 
     def _report_rounds(self, entries: list[Entry]) -> int:
         """Per-round acceptance and calibration metrics; returns the round's Σℓ."""

@@ -19,6 +19,9 @@ Families (all prefixed `dspark_`):
   fallback_events_total{reason}      drafter failures that switched requests to target-only
   skipped_drafts_total               dspark-skip: request-rounds that decided not to draft
   draft_rounds_total{reason}         dspark-skip: rounds with a draft call, by why (merit | refresh | new)
+  skip_price_seconds{what}           dspark-skip's measured prices, after every plan: draft_1 / draft_R
+                                     (a drafting round for 1 / all R requests), step_1 / step_R (a
+                                     target step now), catchup_position; why it drafts or not
   rounds_total / round_seconds_total          busy batcher rounds and their wall time
   bls_calls_total{model_called} / bls_seconds_total{model_called}   BLS calls and time inside them
   bls_bytes_total{model_called, direction}                          tensor bytes sent (in) / received (out)
@@ -183,6 +186,7 @@ DESCRIPTIONS = {
     "calibration_realized_survival": "Mean realized prefix survival, per position",
     "sps_table": "The SPS table in use (label source)",
     "skipped_drafts_total": "Request-rounds where dspark-skip decided drafting would not pay",
+    "skip_price_seconds": "dspark-skip's measured prices: draft_1, draft_R, step_1, step_R, catchup_position",
     "draft_rounds_total": "dspark-skip rounds with a draft call, by reason: merit, refresh, new",
     "rounds_total": "Batcher rounds that ran at least one request",
     "bls_calls_total": "BLS calls from the orchestrator, per called model",

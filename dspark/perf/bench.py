@@ -124,6 +124,11 @@ def server_counters(url: str, metrics_url: str | None) -> dict:
         out["bls_seconds"] = sum(v for k, v in m.items() if k.startswith("dspark_bls_seconds_total"))
         out["bls_calls"] = sum(v for k, v in m.items() if k.startswith("dspark_bls_calls_total"))
         out["bls_bytes"] = sum(v for k, v in m.items() if k.startswith("dspark_bls_bytes_total"))
+        out["skip_prices"] = {
+            k.split('what="')[1].split('"')[0]: v
+            for k, v in m.items()
+            if k.startswith("dspark_skip_price_seconds")
+        }
         for reason in ("merit", "refresh", "new"):
             label = f'reason="{reason}"'
             out[f"draft_rounds_{reason}"] = sum(
@@ -230,6 +235,8 @@ def summarize(mode, concurrency, gens, errors, wall, before, after, peak_rss) ->
         "bls_mb_per_step": bls_b / steps / 1e6 if steps else None,
         "bls_transport_ms_per_step": 1e3 * (bls_s - model_s) / steps if steps else None,
         "python_ms_per_step": 1e3 * (step_s - bls_s) / steps if steps else None,
+        # dspark-skip: the prices it planned with at the end of the cell (seconds)
+        "skip_prices": after.get("skip_prices") or None,
         # dspark-skip: share of the rounds that made a draft call, by why (merit | refresh | new)
         "draft_rounds_per_step": {
             r: (after.get(f"draft_rounds_{r}", 0.0) - before.get(f"draft_rounds_{r}", 0.0)) / steps

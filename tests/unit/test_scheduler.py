@@ -729,7 +729,12 @@ def test_skip_planner_says_why_a_round_drafts():
     assert planner.choose(4, [0, 1], np.stack([poor, poor]), avail, 1.0).tolist() == [False, True]
     assert planner.reason == "refresh"
     assert planner.interval(1) == 2 * SkipPlanner.REFRESH  # the refresh did not pay: back off
-    assert planner.start == 2 * SkipPlanner.REFRESH  # and so do the requests still to come
+    # the population backs off slowly (a quarter level per refresh that did not pay, one level
+    # down per merit pick): new requests still start at REFRESH after one failed refresh ...
+    assert planner.level == SkipPlanner.BACK_OFF and planner.interval(99) == SkipPlanner.REFRESH
+    for i in range(5, 3000):  # ... and at the longest interval after many (requests of 60 rounds)
+        planner.choose(i, [100 + i // 60 * 2, 101 + i // 60 * 2], np.stack([poor, poor]), avail, 0.01)
+    assert planner.start == planner.max_interval(0.01, sps.step_time(2)) > SkipPlanner.REFRESH_MAX
     assert planner.interval(99) == planner.start
 
 
