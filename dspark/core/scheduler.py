@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -430,24 +431,24 @@ class SkipPlanner:
     A request that stops drafting keeps the confidences of its last drafted round; if it never
     drafted again they would decide forever. So a request drafts anyway when it is due for a
     refresh. Each refresh that the plan would not have chosen on its own merits doubles the
-    request's `interval` (4, 8, 16, 32, ...): when drafting never pays on this machine,
-    refreshes stop costing a fixed share of every round. The interval grows up to
-    `max_interval`, the larger of REFRESH_MAX and the interval at which one refresh draft costs
-    at most REFRESH_SHARE (0.5%) of the rounds it covers. As soon as the plan picks the request
-    on its own merits, its interval drops back to REFRESH.
+    request's `interval` (4, 8, 16, 32, ...), up to `max_interval`: the larger of REFRESH_MAX
+    and the interval at which one refresh draft costs at most REFRESH_SHARE (0.5%) of the
+    rounds it covers. As soon as the plan picks the request on its own merits, its interval
+    drops back to REFRESH.
 
     Under load requests come and go all the time (issue 18: at 32 clients, one new request
     every other round), so three things are decided for the population, not per request:
 
+    * **a refresh happens only when it could change the decision.** The planner keeps the
+      confidences of the last `RECENT` drafted rounds of all its requests; the `best case` is
+      their per-position 90th percentile (the stretches where drafting pays: code, arithmetic).
+      If drafting for a request with the best-case confidences would not pay at this round's
+      load and prices, no confidence a refresh could bring back would make it pay, and nobody
+      is refreshed. At one client this is rarely so (a good stretch doubles a round's tokens),
+      at 32 it almost always is (a good stretch adds a few tokens to 32);
     * refreshes are aligned on a grid: a request with interval I is due only in rounds that are
       multiples of I (and at least I/2 rounds after its last draft); intervals are REFRESH · 2^j,
       so the requests due share one draft call however staggered their arrivals;
-    * a new request starts at the population's interval (`start` = REFRESH · 2^round(level)):
-      each refresh that did not pay raises `level` by a quarter, each request picked on its own
-      merits lowers it by one. It climbs to the longest interval only while fewer than one
-      refresh in five is followed by drafting that pays: at one client, where refreshes find the
-      stretches in which drafting pays (code, arithmetic), new requests keep probing early; at
-      32 clients, where drafting never pays, they start at the longest interval;
     * a new request is judged on the population's confidences (the mean of the last drafted
       round of the requests with a history) instead of drafting blindly; only when the planner
       has never seen a confidence does it draft to learn one.
@@ -461,8 +462,8 @@ class SkipPlanner:
     # a refresh draft's cost at most this share of the rounds it covers: half the 1% budget, so
     # that the ramp-up (4, 8, 16, ... before the longest interval) stays inside it too
     REFRESH_SHARE = 0.005
-
-    BACK_OFF = 0.25  # the population's level rises by this per refresh that did not pay, -1 per merit pick
+    RECENT = 256  # drafted rounds whose confidences make the best case
+    BEST_QUANTILE = 90  # the best case: this percentile of their confidences, per position
 
     REASONS = ("merit", "refresh", "new")
     """Why a round makes a draft call, first that applies: some request pays on its own merits;
@@ -472,8 +473,10 @@ class SkipPlanner:
     def __init__(self, policy: DSparkSkip) -> None:
         self.policy = policy
         self.reason: str | None = None  # why the last `choose` drafts (REASONS), None if it does not
-        self.level = 0.0  # the population's back-off: a new request's interval is REFRESH · 2^round(level)
         self.population: np.ndarray | None = None  # mean last-round confidences of the requests seen
+        self.probing = True  # whether the last `choose` found that a refresh could pay
+        self._recent: deque[np.ndarray] = deque(maxlen=self.RECENT)  # confidences of drafted rounds
+        self._seen: dict[int, np.ndarray] = {}  # request → the last confidences recorded for it
         self._skipped: dict[int, int] = {}  # request → consecutive rounds without drafting
         self._refresh: dict[int, int] = {}  # request → its refresh interval
 
@@ -486,6 +489,12 @@ class SkipPlanner:
         need = draft_seconds / (self.REFRESH_SHARE * round_seconds)
         j = max(math.ceil(math.log2(max(need / self.REFRESH, 1.0))), 0)
         return max(self.REFRESH_MAX, self.REFRESH * 2**j)
+
+    def best_case(self) -> np.ndarray | None:
+        """Per-position BEST_QUANTILE of the recent drafted rounds' confidences (None: none yet)."""
+        if not self._recent:
+            return None
+        return np.percentile(np.stack(self._recent), self.BEST_QUANTILE, axis=0)
 
     def choose(
         self,
@@ -503,35 +512,47 @@ class SkipPlanner:
         `reason` then says why a draft call happens this round (`REASONS`), None if none does."""
         last = np.array(last_conf, dtype=np.float64)
         available = np.asarray(available)
+        R = len(rids)
+        catch = np.zeros(R) if catchup_seconds is None else np.asarray(catchup_seconds, dtype=np.float64)
         skipped = np.array([self._skipped.get(r, 0) for r in rids])
-        interval = np.array([self._refresh.get(r, self.start) for r in rids])
+        interval = np.array([self._refresh.get(r, self.REFRESH) for r in rids])
         has_history = ~np.isnan(last).all(axis=1)
+        for r in np.flatnonzero(has_history):  # record the confidences of newly drafted rounds
+            seen = self._seen.get(rids[r])
+            if seen is None or not np.array_equal(seen, last[r]):
+                self._seen[rids[r]] = last[r].copy()
+                self._recent.append(last[r].copy())
         if has_history.any():
             self.population = last[has_history].mean(axis=0)
-        new = ~has_history
         if self.population is not None:  # judge new requests on what the others showed
-            last[new] = self.population
-        forced = (round_index % interval == 0) & (skipped + 1 >= interval // 2) & has_history
+            last[~has_history] = self.population
         plan = self.policy.plan
+        h = np.flatnonzero(has_history)
+        # would drafting pay for a request with the best-case confidences, next to these?
+        best = self.best_case()
+        self.probing = draft_seconds is None or best is None
+        if not self.probing:
+            conf = np.vstack([last[h], best[None, :]])
+            avail = np.append(available[h], last.shape[1])
+            self.probing = bool(
+                plan(conf, avail, draft_seconds, None, np.append(catch[h], 0.0), step_times)[-1]
+            )
+        grid = (round_index % interval == 0) & (skipped + 1 >= interval // 2)
+        forced = grid & has_history & self.probing
         # what the plan picks on merit alone: requests with a history, nobody forced
-        merit = np.zeros(len(rids), bool)
-        if has_history.any():
-            h = np.flatnonzero(has_history)
-            catch = None if catchup_seconds is None else np.asarray(catchup_seconds)[h]
-            merit[h] = plan(last[h], available[h], draft_seconds, None, catch, step_times)
-        mask = plan(last, available, draft_seconds, forced, catchup_seconds, step_times)
+        merit = np.zeros(R, bool)
+        if h.size:
+            merit[h] = plan(last[h], available[h], draft_seconds, None, catch[h], step_times)
+        mask = plan(last, available, draft_seconds, forced, catch, step_times)
         t = step_times or self.policy.sps.step_times
         n_due = max(int(forced.sum()), 1)
         refresh_cost = draft_seconds(np.array([n_due]))[0] if callable(draft_seconds) else draft_seconds
-        cap = self.max_interval(refresh_cost, float(t(np.array([max(len(rids), 1)]))[0]))
-        top = math.log2(cap / self.REFRESH)
+        cap = self.max_interval(refresh_cost, float(t(np.array([max(R, 1)]))[0]))
         for r, rid in enumerate(rids):
             if forced[r] and not merit[r]:  # a refresh that did not pay: back off
                 self._refresh[rid] = min(2 * int(interval[r]), cap)
-                self.level = min(self.level + self.BACK_OFF, top)
             elif mask[r] and merit[r]:  # drafting pays for it again
                 self._refresh[rid] = self.REFRESH
-                self.level = max(self.level - 1.0, 0.0)
             else:
                 self._refresh[rid] = int(interval[r])
             self._skipped[rid] = 0 if mask[r] else int(skipped[r]) + 1
@@ -545,18 +566,14 @@ class SkipPlanner:
             self.reason = "new"
         return mask
 
-    @property
-    def start(self) -> int:
-        """A new request's refresh interval: the population's back-off."""
-        return self.REFRESH * 2 ** round(self.level)
-
     def interval(self, rid: int) -> int:
         """Rounds without drafting after which request `rid` drafts again (a refresh)."""
-        return self._refresh.get(rid, self.start)
+        return self._refresh.get(rid, self.REFRESH)
 
     def forget(self, rid: int) -> None:
         self._skipped.pop(rid, None)
         self._refresh.pop(rid, None)
+        self._seen.pop(rid, None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -277,41 +277,30 @@ def test_dspark_skip_decodes_the_same_tokens_whether_it_drafts_or_not():
         # every round with a draft call is counted once, with why; the target steps were timed
         reasons = {r: eng.metrics.counter("draft_rounds_total", reason=r) for r in SkipPlanner.REASONS}
         assert reasons["new"] == 1  # the first round: nobody has confidences yet
-        if draft_seconds > 0:
-            assert reasons["merit"] == 0 and reasons["refresh"] >= 1
+        if draft_seconds > 0:  # not even the best stretch could pay: no refresh either
+            assert reasons["merit"] == 0 and reasons["refresh"] == 0
         else:
             assert reasons["merit"] >= 1
         assert eng.live.observed > 0 and eng.live.scale > 0
     assert skipped[0.0] < skipped[1e6]
 
 
-def test_dspark_skip_refreshes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
+def test_dspark_skip_stops_refreshing_when_no_refresh_could_pay_and_resumes_when_drafting_pays():
     target = tiny_target()
     req = Request([5, 6, 7], max_tokens=80, stop_ids=frozenset())
     plain = generate(TargetRunner(target, 1, 96), [req])[0].tokens
     eng, _ = _engine(target)
     sink = Collect()
     eng.submit(req, "dspark-skip", sink)
-    eng.step()  # first round: drafts (no confidences yet), measures the draft cost
-    eng.draft_cost = _FixedPrice(1e6)  # drafting can never pay: only refreshes draft
-    drafted_at, intervals = [], []
-    for step in range(1, 66):
-        before = len(eng.active[0].seq.trace)
+    eng.step()  # first round: drafts (no confidences yet)
+    eng.draft_cost = _FixedPrice(1e6)  # drafting can never pay, not even a refresh
+    for _ in range(40):
         eng.step()
-        if len(eng.active[0].seq.trace) > before:
-            drafted_at.append(step)
-        intervals.append(eng.planner("dspark-skip").interval(eng.active[0].seq.rid))
-    gaps = [b - a for a, b in zip([0] + drafted_at, drafted_at)]
-    # refreshes fall on the grid of their interval (round = step + 1), at least half an interval
-    # after the last draft: rounds 4, 8, 16, 32, 64 while the interval doubles 4 → 8 → ... → 128
-    assert [s + 1 for s in drafted_at] == [4, 8, 16, 32, 64], drafted_at
-    assert gaps[2:] == [8, 16, 32]
-    # a draft call costs 1e6 rounds here, so the 1% refresh bound lets the interval keep doubling past
-    # REFRESH_MAX (issue 18); with a cheap draft call it would stop there
-    assert max(intervals) == 4 * SkipPlanner.REFRESH_MAX
-    assert eng.planner("dspark-skip").max_interval(1e-3, 1.0) == SkipPlanner.REFRESH_MAX
-    eng.draft_cost = _FixedPrice(0.0)  # a free draft call: the next refresh pays, resets the interval
+    seq = eng.active[0].seq
+    assert len(seq.trace) == 1 and not eng.planner("dspark-skip").probing
+    eng.draft_cost = _FixedPrice(0.0)  # a free draft call: drafting pays again
     eng.run_until_idle(200)
+    assert len(sink.result.trace) > 1
     assert sink.out == plain
 
 

@@ -710,32 +710,44 @@ def test_skip_plan_prices_the_draft_call_by_its_batch_and_the_steps_measured_now
         assert rate(mask) >= 0.9 * brute
 
 
-def test_skip_planner_says_why_a_round_drafts():
+def test_skip_planner_says_why_a_round_drafts_and_refreshes_only_when_it_could_pay():
     from dspark.core.scheduler import DSparkSkip, SkipPlanner
 
-    sps = SPSTable.from_step_times([1, 64], [0.02, 0.64])  # each verified token costs 10 ms
+    sps = SPSTable.from_step_times([1, 64], [0.020, 0.083])  # each verified token costs 1 ms
     planner = SkipPlanner(DSparkSkip(sps))
-    poor, rich, none = np.full(7, 0.05), np.full(7, 0.95), np.full(7, np.nan)
+    poor, poor2, rich, none = np.full(7, 0.05), np.full(7, 0.06), np.full(7, 0.95), np.full(7, np.nan)
     avail = np.full(2, 7)
     # the very first request: no confidence seen at all, it drafts to learn one
-    assert planner.choose(1, [0], none[None], avail[:1], 1.0).tolist() == [True]
+    assert planner.choose(1, [0], none[None], avail[:1], 0.005).tolist() == [True]
     assert planner.reason == "new"
     # a new request (1) is judged on the others' confidences: poor, so nobody drafts
-    assert not planner.choose(2, [0, 1], np.stack([poor, none]), avail, 1.0).any()
+    assert not planner.choose(2, [0, 1], np.stack([poor, none]), avail, 0.005).any()
     assert planner.reason is None
-    assert planner.choose(3, [0, 1], np.stack([rich, poor]), avail, 0.001)[0]
+    assert planner.choose(3, [0, 1], np.stack([rich, poor]), avail, 0.005)[0]
     assert planner.reason == "merit"
-    # round 4 is on the refresh grid: request 1 has not drafted for 2 rounds (≥ 4 / 2) and is due
-    assert planner.choose(4, [0, 1], np.stack([poor, poor]), avail, 1.0).tolist() == [False, True]
-    assert planner.reason == "refresh"
+    # round 4 is on the refresh grid: request 1 has not drafted for 2 rounds (≥ 4 / 2) and is due;
+    # a stretch like request 0's round 3 would pay, so a refresh could change the decision
+    assert planner.choose(4, [0, 1], np.stack([poor2, poor]), avail, 0.005).tolist() == [False, True]
+    assert planner.reason == "refresh" and planner.probing
     assert planner.interval(1) == 2 * SkipPlanner.REFRESH  # the refresh did not pay: back off
-    # the population backs off slowly (a quarter level per refresh that did not pay, one level
-    # down per merit pick): new requests still start at REFRESH after one failed refresh ...
-    assert planner.level == SkipPlanner.BACK_OFF and planner.interval(99) == SkipPlanner.REFRESH
-    for i in range(5, 3000):  # ... and at the longest interval after many (requests of 60 rounds)
-        planner.choose(i, [100 + i // 60 * 2, 101 + i // 60 * 2], np.stack([poor, poor]), avail, 0.01)
-    assert planner.start == planner.max_interval(0.01, sps.step_time(2)) > SkipPlanner.REFRESH_MAX
-    assert planner.interval(99) == planner.start
+    # at a price where even the best stretch would not pay, nobody is refreshed (round 8: due)
+    assert not planner.choose(8, [0, 1], np.stack([poor2, poor]), avail, 1.0).any()
+    assert not planner.probing and planner.reason is None
+
+
+def test_skip_planner_refreshes_on_a_grid_and_backs_off_while_refreshes_do_not_pay():
+    from dspark.core.scheduler import DSparkSkip, SkipPlanner
+
+    sps = SPSTable.from_step_times([1, 64], [0.020, 0.083])
+    planner = SkipPlanner(DSparkSkip(sps))
+    poor, rich = np.full((1, 7), 0.05), np.full((1, 7), 0.95)
+    one = np.full(1, 7)
+    planner.choose(1, [9], rich, one, 0.005)  # a request that had a good stretch, then left
+    planner.forget(9)
+    planner.choose(2, [0], np.full((1, 7), np.nan), one, 0.005)  # judged on the population: drafts
+    drafted = [i for i in range(3, 70) if planner.choose(i, [0], poor, one, 0.005)[0]]
+    assert drafted == [4, 8, 16, 32, 64]  # the grid of an interval doubling 4 → 8 → ... → 64
+    assert planner.interval(0) == planner.max_interval(0.005, 0.02) == 64  # the 0.5% cap
 
 
 def test_sps_sweep_summary_takes_the_median_over_passes_and_fits_it_monotone():
