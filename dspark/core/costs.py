@@ -80,6 +80,7 @@ class DraftCost:
         self.window = window
         self._bands: dict[int, deque[tuple[float, float]]] = {}  # band → recent (n, seconds)
         self._warm: set[int] = set()  # bands whose first call has been seen (and dropped)
+        self._cached: tuple[np.ndarray, np.ndarray] | None = None  # the band points, until a call
 
     @staticmethod
     def band(n: int) -> int:
@@ -93,17 +94,20 @@ class DraftCost:
             self._warm.add(k)
             return
         self._bands.setdefault(k, deque(maxlen=self.window)).append((float(n), float(seconds)))
+        self._cached = None
 
     @property
     def seen(self) -> bool:
         return bool(self._bands)
 
     def _points(self) -> tuple[np.ndarray, np.ndarray]:
-        pts = sorted(
-            (float(np.median([c[0] for c in q])), float(np.median([c[1] for c in q])))
-            for q in self._bands.values()
-        )
-        return np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+        if self._cached is None:
+            pts = sorted(
+                (float(np.median([c[0] for c in q])), float(np.median([c[1] for c in q])))
+                for q in self._bands.values()
+            )
+            self._cached = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+        return self._cached
 
     @property
     def mean(self) -> float | None:

@@ -476,6 +476,7 @@ class SkipPlanner:
         self.population: np.ndarray | None = None  # mean last-round confidences of the requests seen
         self.probing = True  # whether the last `choose` found that a refresh could pay
         self._recent: deque[np.ndarray] = deque(maxlen=self.RECENT)  # confidences of drafted rounds
+        self._best: np.ndarray | None = None  # best_case(), until a round is recorded
         self._seen: dict[int, np.ndarray] = {}  # request → the last confidences recorded for it
         self._skipped: dict[int, int] = {}  # request → consecutive rounds without drafting
         self._refresh: dict[int, int] = {}  # request → its refresh interval
@@ -492,9 +493,9 @@ class SkipPlanner:
 
     def best_case(self) -> np.ndarray | None:
         """Per-position BEST_QUANTILE of the recent drafted rounds' confidences (None: none yet)."""
-        if not self._recent:
-            return None
-        return np.percentile(np.stack(self._recent), self.BEST_QUANTILE, axis=0)
+        if self._best is None and self._recent:
+            self._best = np.percentile(np.stack(self._recent), self.BEST_QUANTILE, axis=0)
+        return self._best
 
     def choose(
         self,
@@ -522,28 +523,31 @@ class SkipPlanner:
             if seen is None or not np.array_equal(seen, last[r]):
                 self._seen[rids[r]] = last[r].copy()
                 self._recent.append(last[r].copy())
+                self._best = None
         if has_history.any():
             self.population = last[has_history].mean(axis=0)
         if self.population is not None:  # judge new requests on what the others showed
             last[~has_history] = self.population
         plan = self.policy.plan
         h = np.flatnonzero(has_history)
-        # would drafting pay for a request with the best-case confidences, next to these?
-        best = self.best_case()
-        self.probing = draft_seconds is None or best is None
-        if not self.probing:
-            conf = np.vstack([last[h], best[None, :]])
-            avail = np.append(available[h], last.shape[1])
-            self.probing = bool(
-                plan(conf, avail, draft_seconds, None, np.append(catch[h], 0.0), step_times)[-1]
-            )
-        grid = (round_index % interval == 0) & (skipped + 1 >= interval // 2)
-        forced = grid & has_history & self.probing
-        # what the plan picks on merit alone: requests with a history, nobody forced
-        merit = np.zeros(R, bool)
-        if h.size:
-            merit[h] = plan(last[h], available[h], draft_seconds, None, catch[h], step_times)
+        due = (round_index % interval == 0) & (skipped + 1 >= interval // 2) & has_history
+        if due.any():
+            # would drafting pay for a request with the best-case confidences, next to these?
+            best = self.best_case()
+            self.probing = draft_seconds is None or best is None
+            if not self.probing:
+                conf = np.vstack([last[h], best[None, :]])
+                avail = np.append(available[h], last.shape[1])
+                extra = np.append(catch[h], 0.0)
+                self.probing = bool(plan(conf, avail, draft_seconds, None, extra, step_times)[-1])
+        forced = due & self.probing
         mask = plan(last, available, draft_seconds, forced, catch, step_times)
+        # what the plan picks on merit alone (requests with a history, nobody forced): the plan
+        # itself when nobody is forced, else (a refresh round) a plan without the refreshes
+        merit = mask & has_history
+        if forced.any():
+            merit = np.zeros(R, bool)
+            merit[h] = plan(last[h], available[h], draft_seconds, None, catch[h], step_times)
         t = step_times or self.policy.sps.step_times
         n_due = max(int(forced.sum()), 1)
         refresh_cost = draft_seconds(np.array([n_due]))[0] if callable(draft_seconds) else draft_seconds
