@@ -451,7 +451,8 @@ class SkipPlanner:
       so the requests due share one draft call however staggered their arrivals;
     * a new request is judged on the population's confidences (the mean of the last drafted
       round of the requests with a history) instead of drafting blindly; only when the planner
-      has never seen a confidence does it draft to learn one.
+      has never seen a confidence does it draft to learn one. Refreshes include it: on its
+      first grid round it probes like any request due.
 
     Over a long run in which drafting never pays, refreshes cost under 1% of the round time,
     with or without churn (tests/unit/test_lazy_context.py simulates both).
@@ -530,7 +531,8 @@ class SkipPlanner:
             last[~has_history] = self.population
         plan = self.policy.plan
         h = np.flatnonzero(has_history)
-        due = (round_index % interval == 0) & (skipped + 1 >= interval // 2) & has_history
+        # due for a refresh (or, for a request that never drafted, its first probe)
+        due = (round_index % interval == 0) & (skipped + 1 >= interval // 2)
         if due.any():
             # would drafting pay for a request with the best-case confidences, next to these?
             best = self.best_case()
