@@ -154,16 +154,19 @@ class Delivery:
 
 class _TimedTarget:
     """The target, with each decode / verify step's seconds and batch tokens reported to the
-    batcher's `LiveSteps` (prefill steps, `last_only`, are not SPS steps and are not reported)."""
+    batcher's `LiveSteps` (prefill steps, `last_only`, are not SPS steps and are not reported);
+    `seconds` counts the time of every step (prefill included)."""
 
     def __init__(self, inner: Target, batcher: Batcher) -> None:
         self.inner = inner
         self.batcher = batcher
+        self.seconds = 0.0
 
     def step(self, slots, tokens, last_only: bool = False):
         t0 = time.perf_counter()
         out = self.inner.step(slots, tokens, last_only=last_only)
         dt = time.perf_counter() - t0
+        self.seconds += dt
         live = self.batcher.live
         if not last_only and live is not None:
             live.observe(sum(len(t) for t in tokens), dt)
@@ -193,9 +196,12 @@ class Batcher:
         self.sps = sps
         self.live = LiveSteps(sps) if sps is not None else None  # t(B) at today's level
         self.target = _TimedTarget(target, self)
-        # dspark-skip's price of a draft call (the draft models' BLS calls, catch-up excluded)
-        # by the number of requests drafting in it, measured in this process (issue 18)
+        # dspark-skip's prices, measured in this process (issue 18): what a round that drafts
+        # for n requests costs beyond the target step and the catch-up (draft model calls, their
+        # transport and the speculative bookkeeping), and, to subtract from it, the non-model
+        # seconds of a target-only round of R requests
         self.draft_cost = DraftCost()
+        self.plain_overhead = DraftCost()
         self.calibration = calibration
         self.max_active = max_active
         self.admission = Admission(max_queue, prefill_budget)
@@ -205,6 +211,7 @@ class Batcher:
         self._planners: dict[str, SkipPlanner] = {}
         self._next = 0
         self.rounds = 0  # rounds run (one per `step`)
+        self._drafted = 0  # requests that drafted in the last `_speculative` of dspark-skip
 
     @property
     def queue(self) -> deque[Entry]:
@@ -275,6 +282,7 @@ class Batcher:
         feeding: list[Entry] = []  # speculative requests that draft nobody this round
         verified = 0
         for mode, entries in groups.items():
+            t0, model0 = time.perf_counter(), self.target.seconds
             try:
                 fallen, idle = self._speculative(mode, entries)
             except Exception as exc:  # a failed round fails its requests, not the server
@@ -283,11 +291,19 @@ class Batcher:
             plain += fallen
             feeding += idle
             verified += self._report_rounds(entries)
+            if self._drafted:  # dspark-skip drafted: measure what that cost beyond a plain round
+                extra = (
+                    time.perf_counter() - t0 - (self.target.seconds - model0) - self.drafter.last_catchup_s
+                )
+                if self.plain_overhead.seen:
+                    extra -= float(self.plain_overhead(np.array([len(entries)]))[0])
+                self.draft_cost.observe(self._drafted, max(extra, 0.0))
         if plain or feeding:
             # one target call for everything that does not draft this round; the drafter gets
             # the features of its requests' tokens, lazily (no drafter call)
             seqs = [e.seq for e in plain + feeding]
             feeds = [False] * len(plain) + [True] * len(feeding)
+            t0, model0 = time.perf_counter(), self.target.seconds
             try:
                 rounds.target_round(self.target, seqs, self.drafter if feeding else None, feeds)
                 self.metrics.target_rounds(len(seqs))
@@ -296,6 +312,8 @@ class Batcher:
             else:
                 if feeding:
                     self._check_lost(feeding)
+                    wall = time.perf_counter() - t0
+                    self.plain_overhead.observe(len(seqs), wall - (self.target.seconds - model0))
         if groups:
             self.metrics.round_verified(verified)
         keep = []
@@ -315,6 +333,7 @@ class Batcher:
         assert self.drafter is not None
         policy = self.policy(mode)
         seqs = [e.seq for e in entries]
+        self._drafted = 0
         drafting = self._plan(mode, policy, seqs) if isinstance(policy, DSparkSkip) else None
         if drafting is not None and not drafting.any():
             return [], entries  # a round that drafts for nobody costs what off costs
@@ -324,8 +343,7 @@ class Batcher:
             self._fall_back(entries, f"drafter failed: {exc}")
             return entries, []
         self._check_lost(entries)
-        if drafting is not None:  # dspark-skip's price of a draft call for this many requests
-            self.draft_cost.observe(int(drafting.sum()), self.drafter.last_propose_s)
+        self._drafted = int(drafting.sum()) if drafting is not None else 0
         return [], []
 
     def _check_lost(self, entries: list[Entry]) -> None:

@@ -38,7 +38,7 @@ class DrafterGuard(Drafter):
         self.block_size = inner.block_size
         self.vocab_size = getattr(inner, "vocab_size", 0)
         self.lost: dict[int, str] = {}
-        self.last_propose_s = 0.0  # seconds of the last propose call, its catch-up excluded
+        self.last_catchup_s = 0.0  # seconds the last propose call spent catching up lazy contexts
         self.catchup_seconds: float | None = None  # median price per position fed by a catch-up
         self._catchup_prices: deque[float] | None = None  # recent per-position prices (None: warm-up)
         self.down_until = 0.0  # monotonic time before which new requests do not draft
@@ -88,7 +88,7 @@ class DrafterGuard(Drafter):
             else:
                 self._catchup_prices.append(fed_s / fed)
                 self.catchup_seconds = float(np.median(self._catchup_prices))
-        self.last_propose_s = max(seconds - max(fed_s, 0.0), 0.0)
+        self.last_catchup_s = min(max(fed_s, 0.0), seconds)
         return prop
 
     def catchup_positions(self, rid: int) -> int:
