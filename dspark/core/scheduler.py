@@ -442,10 +442,11 @@ class SkipPlanner:
     * **a refresh happens only when it could change the decision.** The planner keeps the
       confidences of the last `RECENT` drafted rounds of all its requests; the `best case` is
       their per-position 90th percentile (the stretches where drafting pays: code, arithmetic).
-      If drafting for a request with the best-case confidences would not pay at this round's
-      load and prices, no confidence a refresh could bring back would make it pay, and nobody
-      is refreshed. At one client this is rarely so (a good stretch doubles a round's tokens),
-      at 32 it almost always is (a good stretch adds a few tokens to 32);
+      If drafting for a request with the best-case confidences, at that request's own catch-up
+      price, would not pay at this round's load and prices, no confidence a refresh could bring
+      back would make it pay, and it is not refreshed (a new request's first probe catches up
+      its whole prompt). At one client a refresh is rarely refused (a good stretch doubles a
+      round's tokens), at 32 almost always (a good stretch adds a few tokens to 32);
     * refreshes are aligned on a grid: a request with interval I is due only in rounds that are
       multiples of I (and at least I/2 rounds after its last draft); intervals are REFRESH · 2^j,
       so the requests due share one draft call however staggered their arrivals;
@@ -533,16 +534,34 @@ class SkipPlanner:
         h = np.flatnonzero(has_history)
         # due for a refresh (or, for a request that never drafted, its first probe)
         due = (round_index % interval == 0) & (skipped + 1 >= interval // 2)
+        probe = np.zeros(R, bool)
         if due.any():
-            # would drafting pay for a request with the best-case confidences, next to these?
+            # would drafting pay for a request with the best-case confidences, next to these,
+            # at the catch-up price of the request due (a new one catches up its whole prompt)?
             best = self.best_case()
-            self.probing = draft_seconds is None or best is None
-            if not self.probing:
+            if draft_seconds is None or best is None:
+                probe = due.copy()
+            else:
                 conf = np.vstack([last[h], best[None, :]])
                 avail = np.append(available[h], last.shape[1])
-                extra = np.append(catch[h], 0.0)
-                self.probing = bool(plan(conf, avail, draft_seconds, None, extra, step_times)[-1])
-        forced = due & self.probing
+
+                def pays(c: float) -> bool:
+                    extra = np.append(catch[h], c)
+                    return bool(plan(conf, avail, draft_seconds, None, extra, step_times)[-1])
+
+                # pays(c) is monotone in c: bisect the due requests' catch-up prices
+                d = np.flatnonzero(due)
+                d = d[np.argsort(catch[d], kind="stable")]
+                lo, hi = 0, len(d)  # d[:lo] pay, d[hi:] do not
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if pays(float(catch[d[mid]])):
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                probe[d[:lo]] = True
+            self.probing = bool(probe.any())
+        forced = probe
         mask = plan(last, available, draft_seconds, forced, catch, step_times)
         # what the plan picks on merit alone (requests with a history, nobody forced): the plan
         # itself when nobody is forced, else (a refresh round) a plan without the refreshes
