@@ -751,18 +751,27 @@ def test_skip_planner_refreshes_on_a_grid_and_backs_off_while_refreshes_do_not_p
 
 
 def test_a_new_request_the_population_rejects_still_probes_on_its_first_grid_round():
+    """...when the best case would pay at its own catch-up price (its whole prompt)."""
     from dspark.core.scheduler import DSparkSkip, SkipPlanner
 
     sps = SPSTable.from_step_times([1, 64], [0.020, 0.083])
-    planner = SkipPlanner(DSparkSkip(sps))
     poor, rich, none = np.full(7, 0.05), np.full(7, 0.95), np.full(7, np.nan)
-    planner.choose(1, [9], rich[None], np.full(1, 7), 0.005)  # a good stretch, then gone
-    planner.forget(9)
-    planner.choose(2, [8], poor[None], np.full(1, 7), 0.005)  # the population is poor now
     avail = np.full(2, 7)
-    assert not planner.choose(3, [8, 0], np.stack([poor, none]), avail, 0.005)[1]  # judged poor
-    assert planner.choose(4, [8, 0], np.stack([poor, none]), avail, 0.005)[1]  # its first probe
+
+    def planner_after_three_rounds() -> SkipPlanner:
+        planner = SkipPlanner(DSparkSkip(sps))
+        planner.choose(1, [9], rich[None], np.full(1, 7), 0.005)  # a good stretch, then gone
+        planner.forget(9)
+        planner.choose(2, [8], poor[None], np.full(1, 7), 0.005)  # the population is poor now
+        assert not planner.choose(3, [8, 0], np.stack([poor, none]), avail, 0.005)[1]  # judged poor
+        return planner
+
+    cheap, dear = np.array([0.0, 0.001]), np.array([0.0, 1.0])  # request 0's catch-up price
+    planner = planner_after_three_rounds()
+    assert planner.choose(4, [8, 0], np.stack([poor, none]), avail, 0.005, cheap)[1]  # first probe
     assert planner.reason == "refresh"
+    planner = planner_after_three_rounds()
+    assert not planner.choose(4, [8, 0], np.stack([poor, none]), avail, 0.005, dear)[1]
 
 
 def test_sps_sweep_summary_takes_the_median_over_passes_and_fits_it_monotone():
