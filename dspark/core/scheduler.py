@@ -397,10 +397,14 @@ class DSparkSkip(DSpark):
         forced |= np.isnan(last).all(axis=1)
         if draft_seconds is None or R == 0:
             return np.ones(R, bool)
-        if callable(draft_seconds):
-            draft = draft_seconds
-        else:
-            draft = lambda n, c=float(draft_seconds): np.full(np.shape(n), c)  # noqa: E731
+        constant = None if callable(draft_seconds) else float(draft_seconds)
+
+        def draft(n: np.ndarray) -> np.ndarray:
+            if constant is None:
+                assert callable(draft_seconds)
+                return np.asarray(draft_seconds(n), dtype=np.float64)
+            return np.full(np.shape(n), constant)
+
         t = step_times or self.sps.step_times
         catchup = np.zeros(R) if catchup_seconds is None else np.asarray(catchup_seconds, dtype=np.float64)
         last = np.where(np.isnan(last), self.prior, last)
