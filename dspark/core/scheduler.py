@@ -573,10 +573,12 @@ class SkipPlanner:
         if forced.any():
             merit = np.zeros(R, bool)
             merit[h] = plan(last[h], available[h], draft_seconds, None, catch[h], step_times)
-        t = step_times or self.policy.sps.step_times
-        n_due = max(int(forced.sum()), 1)
-        refresh_cost = draft_seconds(np.array([n_due]))[0] if callable(draft_seconds) else draft_seconds
-        cap = self.max_interval(refresh_cost, float(t(np.array([max(R, 1)]))[0]))
+        cap = self.REFRESH_MAX
+        if forced.any():  # the back-off's ceiling matters only when a refresh happens
+            t = step_times or self.policy.sps.step_times
+            n_due = int(forced.sum())
+            refresh_cost = draft_seconds(np.array([n_due]))[0] if callable(draft_seconds) else draft_seconds
+            cap = self.max_interval(refresh_cost, float(t(np.array([max(R, 1)]))[0]))
         for r, rid in enumerate(rids):
             if forced[r] and not merit[r]:  # a refresh that did not pay: back off
                 self._refresh[rid] = min(2 * int(interval[r]), cap)
