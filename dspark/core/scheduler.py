@@ -459,8 +459,18 @@ class SkipPlanner:
       has never seen a confidence does it draft to learn one. Refreshes include it: on its
       first grid round it probes like any request due.
 
+    * **drafting's measured return throttles refreshes.** The batcher reports what each drafting
+      round returned (accepted draft tokens, worth a plain round's time over its requests each)
+      and what it cost beyond a plain round (`observe`). While the last VALUE_WINDOW drafting
+      rounds returned less than they cost (`losing`), a refresh round happens at most once per
+      price / (REFRESH_SHARE · round time) rounds, whoever is due. The best case says what a
+      refresh could find, not how often it does: under churn at 4–16 clients every new request
+      is probed on 4, 8, 16, ... and most probes find nothing worth drafting, so the stale
+      confidences alone kept paying for probes that lost (issue 18, third pass).
+
     Over a long run in which drafting never pays, refreshes cost under 1% of the round time,
-    with or without churn (tests/unit/test_lazy_context.py simulates both).
+    with or without churn, and also when the confidences keep promising more than drafting
+    returns (tests/unit/test_lazy_context.py simulates all three).
     """
 
     REFRESH = 4
@@ -470,6 +480,7 @@ class SkipPlanner:
     REFRESH_SHARE = 0.005
     RECENT = 256  # drafted rounds whose confidences make the best case
     BEST_QUANTILE = 90  # the best case: this percentile of their confidences, per position
+    VALUE_WINDOW = 64  # drafting rounds whose measured return and cost say whether drafting pays
 
     REASONS = ("merit", "refresh", "new")
     """Why a round makes a draft call, first that applies: some request pays on its own merits;
@@ -486,6 +497,8 @@ class SkipPlanner:
         self._seen: dict[int, np.ndarray] = {}  # request → the last confidences recorded for it
         self._skipped: dict[int, int] = {}  # request → consecutive rounds without drafting
         self._refresh: dict[int, int] = {}  # request → its refresh interval
+        self._last_refresh = -(10**9)  # the round of the last refresh
+        self._value: deque[tuple[float, float]] = deque(maxlen=self.VALUE_WINDOW)  # (benefit, cost) s
 
     def max_interval(self, draft_seconds: float | None, round_seconds: float) -> int:
         """The longest refresh interval, REFRESH · 2^j: REFRESH_MAX, or longer when a draft call
@@ -496,6 +509,19 @@ class SkipPlanner:
         need = draft_seconds / (self.REFRESH_SHARE * round_seconds)
         j = max(math.ceil(math.log2(max(need / self.REFRESH, 1.0))), 0)
         return max(self.REFRESH_MAX, self.REFRESH * 2**j)
+
+    def observe(self, accepted: int, requests: int, extra_seconds: float, step_seconds: float) -> None:
+        """What a drafting round returned, measured: `accepted` draft tokens over `requests`
+        requests, for `extra_seconds` beyond a plain round of those requests, which takes
+        `step_seconds` (so a token is worth step_seconds / requests)."""
+        if requests > 0 and step_seconds > 0:
+            self._value.append((accepted * step_seconds / requests, max(extra_seconds, 0.0)))
+
+    def losing(self) -> bool:
+        """Whether the last VALUE_WINDOW drafting rounds returned less than they cost (False
+        before any is observed). Refreshes pay only through the drafts they lead to: when those
+        have been losing at this load, the confidences that chose them promised too much."""
+        return sum(b for b, _ in self._value) < sum(c for _, c in self._value)
 
     def best_case(self) -> np.ndarray | None:
         """Per-position BEST_QUANTILE of the recent drafted rounds' confidences (None: none yet)."""
@@ -539,6 +565,16 @@ class SkipPlanner:
         # due for a refresh (or, for a request that never drafted, its first probe)
         due = (round_index % interval == 0) & (skipped + 1 >= interval // 2)
         probe = np.zeros(R, bool)
+        if due.any() and draft_seconds is not None and self.losing():
+            # drafting has been losing lately: refresh rounds at most at the rate that keeps their
+            # price within REFRESH_SHARE of the rounds in between (exploration, not a habit)
+            t = step_times or self.policy.sps.step_times
+            n = np.array([int(due.sum())])
+            price = draft_seconds(n)[0] if callable(draft_seconds) else draft_seconds
+            gap = price / (self.REFRESH_SHARE * float(t(np.array([max(R, 1)]))[0]))
+            if round_index - self._last_refresh < gap:
+                due[:] = False
+                self.probing = False
         if due.any():
             # would drafting pay for a request with the best-case confidences, next to these,
             # at the catch-up price of the request due (a new one catches up its whole prompt)?
@@ -579,6 +615,8 @@ class SkipPlanner:
             n_due = int(forced.sum())
             refresh_cost = draft_seconds(np.array([n_due]))[0] if callable(draft_seconds) else draft_seconds
             cap = self.max_interval(refresh_cost, float(t(np.array([max(R, 1)]))[0]))
+        if (forced & ~merit).any():
+            self._last_refresh = round_index
         for r, rid in enumerate(rids):
             if forced[r] and not merit[r]:  # a refresh that did not pay: back off
                 self._refresh[rid] = min(2 * int(interval[r]), cap)

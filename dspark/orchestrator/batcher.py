@@ -290,14 +290,16 @@ class Batcher:
                 continue
             plain += fallen
             feeding += idle
+            accepted = sum(t.accepted for e in entries for t in e.seq.trace[e.traced :])
             verified += self._report_rounds(entries)
             if self._drafted:  # dspark-skip drafted: measure what that cost beyond a plain round
-                extra = (
-                    time.perf_counter() - t0 - (self.target.seconds - model0) - self.drafter.last_catchup_s
-                )
+                wall = time.perf_counter() - t0
+                extra = wall - (self.target.seconds - model0) - self.drafter.last_catchup_s
+                overhead = 0.0
                 if self.plain_overhead.seen:
-                    extra -= float(self.plain_overhead(np.array([len(entries)]))[0])
-                self.draft_cost.observe(self._drafted, max(extra, 0.0))
+                    overhead = float(self.plain_overhead(np.array([len(entries)]))[0])
+                self.draft_cost.observe(self._drafted, max(extra - overhead, 0.0))
+                self._returned(mode, len(entries), accepted, wall, overhead)
         if plain or feeding:
             # one target call for everything that does not draft this round; the drafter gets
             # the features of its requests' tokens, lazily (no drafter call)
@@ -345,6 +347,15 @@ class Batcher:
         self._check_lost(entries)
         self._drafted = int(drafting.sum()) if drafting is not None else 0
         return [], []
+
+    def _returned(self, mode: str, R: int, accepted: int, wall: float, overhead: float) -> None:
+        """dspark-skip: what a drafting round of R requests returned (accepted draft tokens)
+        against what it cost beyond a plain round of R (the live target step plus the measured
+        non-model seconds of one), for the planner's measured return on drafting."""
+        if self.live is None or not self.live.observed:
+            return
+        plain = float(self.live.step_times(np.array([R]))[0]) + overhead
+        self.planner(mode).observe(accepted, R, wall - plain, plain)
 
     def _check_lost(self, entries: list[Entry]) -> None:
         """Requests whose drafter state failed this round continue target-only."""

@@ -323,3 +323,20 @@ def test_prefill_budget_staggers_admission_and_keeps_the_tokens():
         assert seen == admitted
         eng.run_until_idle(100)
         assert [s.out for s in sinks] == plain
+
+
+def test_dspark_skip_reports_each_drafting_rounds_return_to_its_planner():
+    """The batcher measures what every dspark-skip drafting round returned (accepted drafts) and
+    cost beyond a plain round, and hands both to the planner (the refresh throttle's input)."""
+    target = tiny_target()
+    eng, _ = _engine(target)
+    eng.draft_cost = _FixedPrice(0.0)
+    sink = Collect()
+    eng.submit(Request([5, 6, 7], max_tokens=40, stop_ids=frozenset()), "dspark-skip", sink)
+    eng.run_until_idle(200)
+    value = eng.planner("dspark-skip")._value
+    drafted = sum(1 for t in sink.result.trace if t.verified > 0)
+    assert 0 < len(value) <= len(sink.result.trace) and drafted > 0
+    assert all(b >= 0 and c >= 0 for b, c in value)
+    accepted = sum(t.accepted for t in sink.result.trace)
+    assert (sum(b for b, _ in value) > 0) == (accepted > 0)
