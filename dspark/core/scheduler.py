@@ -429,6 +429,24 @@ class DSparkSkip(DSpark):
         return mask
 
 
+def _dearer(
+    price: float | Callable[[np.ndarray], np.ndarray], factor: float
+) -> float | Callable[[np.ndarray], np.ndarray]:
+    """A draft price (constant, or function of the number of drafting requests) times factor."""
+    if not callable(price):
+        return float(price) * factor
+
+    def scaled(n: np.ndarray) -> np.ndarray:
+        return factor * np.asarray(price(n), dtype=np.float64)
+
+    return scaled
+
+
+def _band(requests: int) -> int:
+    """Load band of a round of `requests` requests: 1, 2, 3–4, 5–8, ... → 0, 1, 2, 3, ..."""
+    return max(int(requests) - 1, 0).bit_length()
+
+
 class SkipPlanner:
     """dspark-skip across rounds: `DSparkSkip.plan` plus refreshes of stale confidences.
 
@@ -462,7 +480,7 @@ class SkipPlanner:
     * **drafting's measured return throttles refreshes.** The batcher reports what each drafting
       round returned (accepted draft tokens, worth a plain round's time over its requests each)
       and what it cost beyond a plain round (`observe`). While the last VALUE_WINDOW drafting
-      rounds returned less than they cost (`losing`), a refresh round happens at most once per
+      rounds at this load returned less than they cost (`losing`), a refresh round happens at most once per
       price / (REFRESH_SHARE · round time) rounds, whoever is due. The best case says what a
       refresh could find, not how often it does: under churn at 4–16 clients every new request
       is probed on 4, 8, 16, ... and most probes find nothing worth drafting, so the stale
@@ -481,6 +499,7 @@ class SkipPlanner:
     RECENT = 256  # drafted rounds whose confidences make the best case
     BEST_QUANTILE = 90  # the best case: this percentile of their confidences, per position
     VALUE_WINDOW = 64  # drafting rounds whose measured return and cost say whether drafting pays
+    MAX_ODDS = 8.0  # while losing, drafting is priced at most this many times its measured price
 
     REASONS = ("merit", "refresh", "new")
     """Why a round makes a draft call, first that applies: some request pays on its own merits;
@@ -498,7 +517,7 @@ class SkipPlanner:
         self._skipped: dict[int, int] = {}  # request → consecutive rounds without drafting
         self._refresh: dict[int, int] = {}  # request → its refresh interval
         self._last_refresh = -(10**9)  # the round of the last refresh
-        self._value: deque[tuple[float, float]] = deque(maxlen=self.VALUE_WINDOW)  # (benefit, cost) s
+        self._value: dict[int, deque[tuple[float, float]]] = {}  # load band → (benefit, cost) s
 
     def max_interval(self, draft_seconds: float | None, round_seconds: float) -> int:
         """The longest refresh interval, REFRESH · 2^j: REFRESH_MAX, or longer when a draft call
@@ -515,13 +534,25 @@ class SkipPlanner:
         requests, for `extra_seconds` beyond a plain round of those requests, which takes
         `step_seconds` (so a token is worth step_seconds / requests)."""
         if requests > 0 and step_seconds > 0:
-            self._value.append((accepted * step_seconds / requests, max(extra_seconds, 0.0)))
+            window = self._value.setdefault(_band(requests), deque(maxlen=self.VALUE_WINDOW))
+            window.append((accepted * step_seconds / requests, max(extra_seconds, 0.0)))
 
-    def losing(self) -> bool:
-        """Whether the last VALUE_WINDOW drafting rounds returned less than they cost (False
-        before any is observed). Refreshes pay only through the drafts they lead to: when those
-        have been losing at this load, the confidences that chose them promised too much."""
-        return sum(b for b, _ in self._value) < sum(c for _, c in self._value)
+    def losing(self, requests: int) -> bool:
+        """Whether the last VALUE_WINDOW drafting rounds at this load (rounds of as many requests,
+        within a power of two) returned less than they cost (False before any is observed).
+        Refreshes pay only through the drafts they lead to: when those have been losing at this
+        load, the confidences that chose them promised too much. Per load, because whether
+        drafting pays depends on it: an hour at 32 clients says nothing about one client."""
+        return self.odds(requests) > 1.0
+
+    def odds(self, requests: int) -> float:
+        """cost / return of the last VALUE_WINDOW drafting rounds at this load, at least 1 and
+        at most MAX_ODDS (1 before any is observed)."""
+        window = self._value.get(_band(requests), ())
+        benefit, cost = sum(b for b, _ in window), sum(c for _, c in window)
+        if cost <= benefit:
+            return 1.0
+        return min(cost / benefit, self.MAX_ODDS) if benefit > 0 else self.MAX_ODDS
 
     def best_case(self) -> np.ndarray | None:
         """Per-position BEST_QUANTILE of the recent drafted rounds' confidences (None: none yet)."""
@@ -565,7 +596,7 @@ class SkipPlanner:
         # due for a refresh (or, for a request that never drafted, its first probe)
         due = (round_index % interval == 0) & (skipped + 1 >= interval // 2)
         probe = np.zeros(R, bool)
-        if due.any() and draft_seconds is not None and self.losing():
+        if due.any() and draft_seconds is not None and self.losing(R):
             # drafting has been losing lately: refresh rounds at most at the rate that keeps their
             # price within REFRESH_SHARE of the rounds in between (exploration, not a habit)
             t = step_times or self.policy.sps.step_times
@@ -602,6 +633,12 @@ class SkipPlanner:
                 probe[d[:lo]] = True
             self.probing = bool(probe.any())
         forced = probe
+        # while drafting has been losing at this load, what the confidences promise is trusted only
+        # as far as it was delivered: the plan prices drafting at its measured cost / return
+        odds = self.odds(R)
+        if odds > 1.0 and draft_seconds is not None:
+            draft_seconds = _dearer(draft_seconds, odds)
+            catch = catch * odds
         mask = plan(last, available, draft_seconds, forced, catch, step_times)
         # what the plan picks on merit alone (requests with a history, nobody forced): the plan
         # itself when nobody is forced, else (a refresh round) a plan without the refreshes

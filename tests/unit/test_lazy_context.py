@@ -251,10 +251,13 @@ def test_refreshes_are_throttled_while_drafting_returns_less_than_it_costs():
 
 def test_the_return_on_drafting_is_measured_benefit_against_cost():
     planner = SkipPlanner(DSparkSkip(SPSTable.from_step_times([1, 64], [0.05, 0.05])))
-    assert not planner.losing()  # nothing measured: no throttle
+    assert not planner.losing(4)  # nothing measured: no throttle
     planner.observe(0, 4, 0.02, 0.05)
-    assert planner.losing()
+    assert planner.losing(4) and planner.losing(3)  # 3 and 4 requests: one load band
     planner.observe(2, 4, 0.02, 0.05)  # 2 tokens worth 0.05 / 4 s each = 0.025 s ≥ 0.04 s? no
-    assert planner.losing()
+    assert planner.losing(4)
     planner.observe(4, 4, 0.0, 0.05)  # 0.05 s more: 0.075 s returned against 0.04 s paid
-    assert not planner.losing()
+    assert not planner.losing(4)
+    # per load: losing at 32 requests says nothing about one
+    planner.observe(0, 32, 0.05, 0.6)
+    assert planner.losing(32) and planner.losing(17) and not planner.losing(16) and not planner.losing(1)
