@@ -21,6 +21,14 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--int8", action="store_true", help="also build a dynamic-int8 target (a different target: see docs)"
     )
+    p.add_argument(
+        "--drafter-precision",
+        default="auto",
+        choices=["auto", "int8", "fp32"],
+        help="weights of the drafter's backbone and head graphs: int8 (ONNX Runtime dynamic "
+        "quantization; still lossless, the fp32 target verifies; 16-26%% faster drafts here), fp32, "
+        "or auto = int8 for the cpu profile and fp32 for the gpu profile (TensorRT and CUDA run fp32 graphs)",
+    )
     g = p.add_argument_group("gpu profile (TensorRT plans + parity on the GPU)")
     g.add_argument(
         "--profile", default="cpu", choices=["cpu", "gpu"], help="gpu: also TensorRT plans + GPU gates"
@@ -113,6 +121,19 @@ def run(args: argparse.Namespace) -> int:
         from dspark.engines.build import build_int8_target
 
         build_int8_target(b)
+    precision = getattr(args, "drafter_precision", "fp32")  # a hand-made Namespace: fp32
+    if precision == "auto":
+        precision = "fp32" if profile == "gpu" else "int8"
+    if precision == "int8":
+        if profile == "gpu":
+            print(
+                "error: --drafter-precision int8 is for the cpu profile (GPU runtimes run fp32 graphs)",
+                file=sys.stderr,
+            )
+            return 2
+        from dspark.engines.build import build_int8_drafter
+
+        build_int8_drafter(b)
     parity_ok = True
     if profile == "gpu":
         from dspark.engines.gpu_build import build_gpu

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import platform
 import subprocess
 import sys
@@ -485,3 +486,70 @@ def build_int8_target(b: Builder) -> dict | None:
     }
     b.engines.append(entry)
     return entry
+
+
+INT8_DRAFTER = "int8: ONNX Runtime dynamic quantization, QInt8 weights of the backbone and head MatMuls"
+
+
+def build_int8_drafter(b: Builder) -> dict:
+    """`dspark engines --drafter-precision int8` (the cpu default): the drafter's backbone and
+    head graphs with int8 weights (ONNX Runtime dynamic quantization), and drafter_meta.json
+    pointing at them.
+
+    Unlike an int8 *target*, this keeps decoding lossless: the drafter only proposes, the fp32
+    target verifies, and the proposal's own distribution q is what verification reads. What
+    int8 can change is how often the target accepts (measured with `dspark.perf.skip_sim
+    record` on both builds, docs/results.md). On this CPU the drafter's MatMuls at a few rows
+    are bound by reading their weights, so a quarter of the bytes is most of the gain. The
+    context graph stays fp32 (its keys/values are reused for many rounds). CPU builds only:
+    the TensorRT plans are built from the fp32 graphs."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    meta_path = b.out / "drafter_meta.json"
+    meta = json.loads(meta_path.read_text())
+    fp32 = {e["file"]: e for e in b.engines}
+    for role in ("drafter_backbone", "drafter_head"):
+        for bucket, opt_name in list(meta["files"].get(role, {}).items()):
+            src_name = opt_name.replace(".opt.onnx", ".onnx")
+            src, dst = b.out / src_name, b.out / src_name.replace(".onnx", ".int8.onnx")
+            opt = b.out / dst.name.replace(".onnx", ".opt.onnx")
+            base = fp32.get(src_name)
+            if base is None:
+                raise RuntimeError(f"build the fp32 drafter engines first ({src_name} is not in this build)")
+            key = hashlib.sha256((base["onnx_sha256"] + "int8-dynamic-qint8-v1").encode()).hexdigest()[:16]
+            meta["files"][role][bucket] = opt.name
+            prev = b.old.get(dst.name)
+            if prev and prev.get("key") == key and dst.exists() and opt.exists():
+                b.log(f"[engines] {dst.name}: up to date")
+                b.engines.append(prev)
+                continue
+            t0 = time.time()
+            b.log(f"[engines] {dst.name}: int8 weights of {src_name}")
+            quiet = logging.getLogger().level
+            logging.getLogger().setLevel(logging.ERROR)  # its advice to pre-process is for CNNs
+            try:
+                quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8)
+            finally:
+                logging.getLogger().setLevel(quiet)
+            session(dst, b.cfg.threads, optimized=opt)
+            b.engines.append(
+                {
+                    "role": f"{role}_int8",
+                    "backend": "onnxruntime",
+                    "device": "cpu",
+                    "file": dst.name,
+                    "optimized_file": opt.name,
+                    "shape": base["shape"],
+                    "io": io_spec(dst),
+                    "source_sha256": base["onnx_sha256"],
+                    "onnx_sha256": sha256_file(dst),
+                    "optimized_sha256": sha256_file(opt),
+                    "key": key,
+                    "precision": INT8_DRAFTER,
+                    "build_seconds": round(time.time() - t0, 2),
+                    "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                }
+            )
+    meta["drafter_precision"] = INT8_DRAFTER
+    meta_path.write_text(json.dumps(meta, indent=2))
+    return meta

@@ -236,7 +236,7 @@ def build_plans(b, s: PlanSettings, precisions: list[str], device: str = "cuda:0
     trt = require_tensorrt()
     gpu = gpu_info(device)
     made = []
-    for e in [e for e in b.engines if e.get("backend") == "onnxruntime" and e["role"] != "target_int8"]:
+    for e in [e for e in b.engines if e.get("backend") == "onnxruntime" and not e["role"].endswith("_int8")]:
         profiles = plan_profiles(e["role"], e["io"], s)
         for precision in precisions:
             name = plan_file(e["file"], precision)

@@ -190,3 +190,45 @@ def test_engine_runner_flushes_more_than_one_round_of_new_context(built):
     b = p.propose(*args, [torch.Generator().manual_seed(0)])
     assert torch.equal(a.tokens, b.tokens)
     assert torch.allclose(a.conf_logits, b.conf_logits, atol=1e-3)
+
+
+def test_int8_drafter_engines_stay_lossless_and_rebuild_incrementally(tmp_path):
+    """`--drafter-precision int8`: the backbone and head graphs with int8 weights, drafter_meta.json pointing
+    at them; a different proposer, the same greedy output (the fp32 target verifies)."""
+    from dspark.engines.build import INT8_DRAFTER, build_int8_drafter
+
+    target = _target32()
+    _build(tmp_path, "markov", target)
+    b = Builder(
+        tmp_path, BuildConfig(buckets=BUCKETS, max_context=MAX_CONTEXT, threads=1), log=lambda s: None
+    )
+    build_target(b, target, sha256_tensors(target))
+    m = _drafter(kind="dspark", head="markov", target=target)
+    build_drafter(b, m, sha256_tensors(m), {})
+    meta = build_int8_drafter(b)
+    b.write_manifest({})
+    assert meta["drafter_precision"] == INT8_DRAFTER
+    for role in ("drafter_backbone", "drafter_head"):
+        files = meta["files"][role]
+        assert sorted(int(k) for k in files) == BUCKETS
+        assert all(f.endswith(".int8.opt.onnx") and (tmp_path / f).exists() for f in files.values())
+    assert meta["files"]["drafter_context"] == "drafter_context.opt.onnx"  # stays fp32
+    on_disk = json.loads((tmp_path / "drafter_meta.json").read_text())
+    assert on_disk["files"] == meta["files"]
+    roles = [e["role"] for e in json.loads((tmp_path / "manifest.json").read_text())["engines"]]
+    assert roles.count("drafter_backbone_int8") == roles.count("drafter_head_int8") == len(BUCKETS)
+    sps = SPSTable.from_step_times([1, 64], [1.0, 1.0 + 0.05 * 63])
+    reqs = _requests()
+    plain = [r.tokens for r in generate(TargetRunner(target, 4, 64), reqs)]
+    ort_t = OrtTargetRunner(session(tmp_path / "target.opt.onnx", 1), TINY, 4, 64)
+    res = generate(
+        ort_t, reqs, OrtDrafterRunner.load(tmp_path, num_slots=4, threads=1), policy_for("dspark", sps)
+    )
+    assert [r.tokens for r in res] == plain
+    assert sum(r.stats.accepted_tokens for r in res) > 0
+    lines: list[str] = []
+    b = Builder(tmp_path, BuildConfig(buckets=BUCKETS, max_context=MAX_CONTEXT, threads=1), log=lines.append)
+    build_target(b, target, sha256_tensors(target))
+    build_drafter(b, m, sha256_tensors(m), {})
+    build_int8_drafter(b)
+    assert lines and all("up to date" in s for s in lines)
