@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
         default="auto",
         choices=["auto", "int8", "fp32"],
         help="weights of the drafter's backbone and head graphs: int8 (ONNX Runtime dynamic "
-        "quantization; still lossless, the fp32 target verifies; 16-26%% faster drafts here), fp32, "
+        "quantization; still lossless, the fp32 target verifies; 13-18%% faster draft rounds here), fp32, "
         "or auto = int8 for the cpu profile and fp32 for the gpu profile (TensorRT and CUDA run fp32 graphs)",
     )
     g = p.add_argument_group("gpu profile (TensorRT plans + parity on the GPU)")
