@@ -36,18 +36,22 @@ SETS = ["gsm8k-test", "humaneval", "mt-bench"]
 def record(engines: str, per_set: int, max_tokens: int, out: Path) -> None:
     import torch
 
-    from dspark.cli.demo import _runners
-    from dspark.core.calibration import sigmoid
+    from dspark.core.calibration import STS, sigmoid
     from dspark.core.interfaces import Request
     from dspark.core.reference import generate
     from dspark.core.sampling import SamplingParams
     from dspark.core.scheduler import Static
+    from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, session
     from dspark.models.loading import load_target
     from dspark.prompts import eval_prompts
 
     torch.set_num_threads(1)
     loaded = load_target()
-    target, drafter, sts, _ = _runners(loaded, engines, "dspark", 1, 2048)
+    folder = Path(engines)
+    target = OrtTargetRunner(session(folder / "target.opt.onnx", 1), loaded.model.cfg, 1, 2048)
+    drafter = OrtDrafterRunner.load(folder, num_slots=1, threads=1)
+    meta = json.loads((folder / "drafter_meta.json").read_text())
+    sts = STS.from_dict(meta["sts"]) if meta.get("sts") else None
     traces, t0 = [], time.perf_counter()
     for name in SETS:
         for i, prompt in enumerate(eval_prompts(name, per_set)):
