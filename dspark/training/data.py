@@ -277,21 +277,26 @@ def build_cache(loaded: LoadedTarget, answers_path: Path, cache_dir: Path, batch
         num_slots=1,
         max_len=max([1] + [len(a["prompt_ids"]) + len(a["answer_ids"]) for a in todo]),
     )
+    written = 0
     for a in tqdm(todo, unit="sample", dynamic_ncols=True, mininterval=10):
+        dest = cache_dir / f"{a['pool']}-{a['index']}.npz"
+        if dest.exists():  # another builder on the same cache got there first
+            continue
         tokens = a["prompt_ids"] + a["answer_ids"]
         slot = runner.allocate()
         with torch.no_grad():
             step = runner.step([slot], [tokens[:-1]])  # the last token is never fed
         runner.release(slot)
         _write_npz(
-            cache_dir / f"{a['pool']}-{a['index']}.npz",
+            dest,
             a["prompt_ids"],
             a["answer_ids"],
             step.features[0],
             step.last_hidden[0],
             torch.logsumexp(step.logits[0].float(), dim=-1),
         )
-    return len(todo)
+        written += 1
+    return written
 
 
 def estimate(loaded: LoadedTarget, prompts: list[Prompt], tok_per_s: float, mean_answer: float) -> str:

@@ -86,3 +86,24 @@ def test_cache_rebuilt_from_answers_equals_the_cache_captured_during_generation(
         assert np.allclose(a["features"], b["features"], atol=2e-3 * np.abs(a["features"]).max())
         assert np.allclose(a["lse"], b["lse"], atol=1e-6)
     assert build_cache(loaded, tmp_path / "a.jsonl", tmp_path / "rebuilt") == 0  # nothing left to do
+
+
+def test_cache_builders_on_one_folder_skip_what_the_other_wrote(tmp_path, monkeypatch):
+    """Two builders may share a cache folder (one from each end of the answers): a sample another
+    builder wrote after this one listed its work is skipped, not computed again."""
+    from dspark.training import data as D
+
+    loaded = _loaded()
+    regenerate(loaded, PROMPTS[:3], tmp_path / "a.jsonl", cache_dir=None, batch=2, max_new_tokens=6)
+    answers = list(D.read_answers(tmp_path / "a.jsonl"))
+    last = tmp_path / "c" / f"{answers[-1]['pool']}-{answers[-1]['index']}.npz"
+    write = D._write_npz
+
+    def write_and_let_the_other_builder_write_the_last(path, *a):
+        write(path, *a)
+        if not last.exists():
+            write(last, *a)  # the other builder, walking from the end
+
+    monkeypatch.setattr(D, "_write_npz", write_and_let_the_other_builder_write_the_last)
+    assert D.build_cache(loaded, tmp_path / "a.jsonl", tmp_path / "c") == 2
+    assert len(list((tmp_path / "c").glob("*.npz"))) == 3
