@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,13 +84,24 @@ def _convert_smollm2(dest: Path) -> None:
     print(f"[dspark] converting {SMOLLM2_GGUF} to fp32 safetensors in {dest} (once, ~20 s)", flush=True)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
     hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    tmp = dest.with_suffix(".tmp")
+    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")  # per process: two first uses may race
     tmp.mkdir(parents=True, exist_ok=True)
     _save_checkpoint(hf.config, hf.state_dict(), tmp)
     hf.config.quantization_config = None  # the fp32 copy is no longer a GGUF checkpoint
     hf.config.save_pretrained(tmp)  # lets transformers load the same directory (parity tests)
     tok.save_pretrained(tmp)
-    tmp.rename(dest)
+    _publish(tmp, dest)
+
+
+def _publish(tmp: Path, dest: Path) -> None:
+    """Move a finished conversion into place; if another process got there first, keep its copy
+    (the same bytes) and drop ours."""
+    try:
+        tmp.rename(dest)
+    except OSError:
+        if not (dest / "model.safetensors").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _save_checkpoint(hf_config, state_dict: dict, dest: Path) -> None:

@@ -212,3 +212,23 @@ def test_fixture_qwen3_target_engine_passes_the_engine_gates(fixture_target, tmp
     out = ort_t.step([ort_t.allocate()], [ref["input_ids"].tolist()])
     assert (out.logits[0] - ref["target.logits"]).abs().max() < TOL
     assert (out.features[0] - ref["target.context_features"]).abs().max() < TOL
+
+
+def test_two_first_uses_converting_at_once_both_end_with_one_checkpoint(tmp_path):
+    """Two processes converting the default target at once (make data and make engines started
+    together) each write their own temporary folder; the second to finish keeps the first's copy."""
+    from dspark.models.loading import _publish
+
+    dest = tmp_path / "smollm2"
+    for pid in (1, 2):
+        tmp = tmp_path / f"smollm2.tmp{pid}"
+        tmp.mkdir()
+        (tmp / "model.safetensors").write_bytes(b"same bytes")
+        _publish(tmp, dest)
+        assert not tmp.exists()
+    assert (dest / "model.safetensors").read_bytes() == b"same bytes"
+    broken = tmp_path / "smollm2.tmp3"
+    broken.mkdir()
+    (broken / "x").write_text("x")
+    with pytest.raises(OSError):
+        _publish(broken, tmp_path / "not-a-folder-yet" / "deeper")
