@@ -45,6 +45,13 @@ def add_parsers(sub) -> None:
         "math / code / chat",
     )
     dd.add_argument(
+        "--snapshot",
+        default=None,
+        metavar="GZ",
+        help="write the complete answers of --out (a running job's too) to this gzip snapshot, e.g. "
+        "data/regenerated/answers.jsonl.gz, and exit",
+    )
+    dd.add_argument(
         "--references",
         default=None,
         metavar="JSONL",
@@ -116,6 +123,14 @@ def cmd_data(args: argparse.Namespace) -> int:
     from dspark.models.loading import load_target
     from dspark.training.data import TRAIN_POOLS, interleave, read_prompts, regenerate
 
+    if args.snapshot:
+        from dspark.training.data import write_snapshot
+
+        counts = write_snapshot(Path(args.out), Path(args.snapshot))
+        size = Path(args.snapshot).stat().st_size / 1e6
+        per_pool = ", ".join(f"{p} {n}" for p, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        print(f"[data] {sum(counts.values())} answers ({per_pool}) → {args.snapshot} ({size:.2f} MB)")
+        return 0
     torch.set_num_threads(args.threads)
     src = shared_dir() / "data" / "train_prompts"
     missing = [p for p in TRAIN_POOLS if not (src / f"{p}.jsonl").exists()]

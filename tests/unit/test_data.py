@@ -107,3 +107,17 @@ def test_cache_builders_on_one_folder_skip_what_the_other_wrote(tmp_path, monkey
     monkeypatch.setattr(D, "_write_npz", write_and_let_the_other_builder_write_the_last)
     assert D.build_cache(loaded, tmp_path / "a.jsonl", tmp_path / "c") == 2
     assert len(list((tmp_path / "c").glob("*.npz"))) == 3
+
+
+def test_snapshot_keeps_the_complete_answers_of_a_running_job(tmp_path):
+    from dspark.training.data import write_snapshot
+
+    answers = tmp_path / "answers.jsonl"
+    done = [{"pool": "gsm8k-train", "index": i, "answer_ids": [i, 2]} for i in range(3)]
+    done.append({"pool": "codealpaca", "index": 0, "answer_ids": [5, 2]})
+    text = "".join(json.dumps(a) + "\n" for a in done)
+    answers.write_text(text + '{"pool": "codealpaca", "index": 1, "answer_')  # the job is mid-line
+    dest = tmp_path / "snap" / "answers.jsonl.gz"
+    assert write_snapshot(answers, dest) == {"gsm8k-train": 3, "codealpaca": 1}
+    assert list(read_answers(dest)) == done
+    assert not list(dest.parent.glob("*.tmp"))
