@@ -164,15 +164,19 @@ def _run(args: argparse.Namespace, models: list[str] | None) -> int:
     from dspark.serving.supervisor import Supervisor
 
     supervisor = None if args.no_supervise else Supervisor(server, log=lambda m: print(m, flush=True))
-    while not stop.is_set() and server.alive():
-        stop.wait(1.0)
-        if supervisor is not None and not stop.is_set():
-            try:
+    while not stop.is_set():
+        try:
+            if not server.alive():  # on its own: a python-backend abort is restarted, else we exit
+                if supervisor is not None and supervisor.after_exit(server.proc.returncode):
+                    continue
+                break
+            stop.wait(1.0)
+            if supervisor is not None and not stop.is_set():
                 supervisor.check()
-            except (OSError, ServerError) as e:
-                print(f"error: could not repair the server: {e}", file=sys.stderr)
-                server.stop()
-                return 1
+        except (OSError, ServerError) as e:
+            print(f"error: could not repair the server: {e}", file=sys.stderr)
+            server.stop()
+            return 1
     if stop.is_set() and server.alive():
         from dspark.serving.supervisor import drain
 

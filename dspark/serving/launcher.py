@@ -94,6 +94,7 @@ class Server:
     # TensorRT backend) and its backends folder; default: the pip wheel's, assembled by backends_dir
     binary: Path | None = None
     backend_directory: Path | None = None
+    log_start: int = field(default=0, repr=False)  # offset of the last start's output in log_path
 
     @classmethod
     def on_free_ports(cls, repository: Path, models: list[str], log_path: Path | None = None) -> Server:
@@ -172,6 +173,7 @@ class Server:
         self.log_path = self.log_path or (REPO / "build" / "logs" / f"tritonserver-{self.http_port}.log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")  # a restart (supervisor) appends
+        self.log_start = log.tell()  # where this run's output begins (run_log)
         self.proc = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
         )
@@ -200,6 +202,14 @@ class Server:
         if self.log_path is None or not self.log_path.exists():
             return ""
         return self.log_path.read_text(errors="replace")[-chars:]
+
+    def run_log(self) -> str:
+        """The log of the last start only (a restart appends to the same file)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with self.log_path.open("rb") as f:
+            f.seek(self.log_start)
+            return f.read().decode(errors="replace")
 
     def stop(self) -> int | None:
         if self.proc is None:

@@ -20,6 +20,15 @@ So Triton cannot see it and cannot repair it; this supervisor does, once a secon
     orchestrator. A failover client (dspark.serving.client.FailoverClient) replays the request on
     another replica or after the restart, with the same seed, hence the same tokens.
 A model that is not ready (unloaded on purpose through the model-control API) is left alone.
+
+tritonserver itself can die of a stub's death too: its python backend, in the middle of an IPC
+exchange with a stub killed while holding a shared-memory lock, throws an uncaught
+boost::interprocess::lock_exception and the server aborts (seen in CI, 2026-12-04, kill -9 of the
+target's stub; the same signature is reported under heavy BLS load without any kill,
+triton-inference-server/server #8882). That is a model's crash, not the operator's: the supervisor
+starts tritonserver again (`after_exit`), at most RESTARTS_MAX times in RESTARTS_WINDOW_S. Any other
+exit of tritonserver (killed, out of memory, a bad flag) ends `dspark serve` with a non-zero code, so
+that what runs it (systemd, Kubernetes) sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +40,19 @@ import urllib.request
 from pathlib import Path
 
 RELOAD_ALONE = frozenset({"drafter_backbone", "drafter_head"})
+RESTARTS_MAX, RESTARTS_WINDOW_S = 3, 600.0
+# what tritonserver's log shows when its python backend (not the server) brought it down
+PYTHON_BACKEND_ABORT = ("boost::interprocess::", "libtriton_python.so")
+
+
+def python_backend_abort(code: int | None, log: str) -> bool:
+    """True when tritonserver ended on a signal (abort, segfault) raised inside its python backend,
+    judged from its exit code and the log of that run (its stack trace names the backend)."""
+    return (
+        code is not None
+        and code in (-signal.SIGABRT, -signal.SIGSEGV)
+        and any(s in log for s in PYTHON_BACKEND_ABORT)
+    )
 
 
 def stub_processes(server_pid: int) -> dict[str, list[int]]:
@@ -100,6 +122,31 @@ class Supervisor:
             self.restart()
             self.events.append((time.time(), ",".join(dead), "restarted"))
         return dead
+
+    def after_exit(self, code: int | None) -> bool:
+        """tritonserver has exited on its own: start it again when its python backend aborted it
+        (a stub's crash) and the restart budget allows; True when it is serving again."""
+        if not python_backend_abort(code, self.server.run_log()):
+            return False
+        now = time.time()
+        recent = [t for t, _, a in self.events if a == "server restarted" and now - t < RESTARTS_WINDOW_S]
+        if len(recent) >= RESTARTS_MAX:
+            self.log(
+                f"[supervise] tritonserver aborted in its python backend {len(recent) + 1} times in "
+                f"{RESTARTS_WINDOW_S:.0f} s: giving up"
+            )
+            return False
+        self.log(
+            f"[supervise] tritonserver aborted in its python backend (code {code}, a stub's crash): "
+            "starting it again (running streams ended with a connection error; clients retry)"
+        )
+        try:  # its stubs, orphaned by the abort, go with it (they are in its process group)
+            os.killpg(self.server.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.server.start()
+        self.events.append((time.time(), "tritonserver", "server restarted"))
+        return True
 
     def restart(self) -> None:
         proc = self.server.proc

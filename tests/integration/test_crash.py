@@ -159,6 +159,7 @@ def test_kill_9_of_a_model_stub_during_streams(serve, reference, model):
     prompt, tokens = reference
     serve.wait_ready()
     _recovered(serve, prompt, tokens)  # warm (first request: SPS probe) and drafter on
+    seen = len(serve.output())
     threads, out = _run_streams(serve.url, prompt)
     time.sleep(0.3)
     (victim,) = serve.stubs()[model]
@@ -166,11 +167,14 @@ def test_kill_9_of_a_model_stub_during_streams(serve, reference, model):
     for t in threads:
         t.join(DEADLINE + 15)
     assert not any(t.is_alive() for t in threads), "a client hung past its deadline"
+    # tritonserver itself may abort when a stub dies mid-IPC (python backend lock_exception, seen
+    # in CI): the supervisor starts it again, and streams end with a connection error
+    aborted = "aborted in its python backend" in serve.output()[seen:]
     for result, seconds in out:
         assert seconds < DEADLINE + 5
         if isinstance(result, ClientError):
             # a clear error: the model's failure or the connection the restart closed
-            assert model in ("target", "dspark"), f"{model}: {result}"
+            assert model in ("target", "dspark") or aborted, f"{model}: {result}"
             assert seconds < DEADLINE, f"{model}: the error came only at the client's deadline: {result}"
             assert (
                 "not healthy" in str(result)
@@ -179,12 +183,12 @@ def test_kill_9_of_a_model_stub_during_streams(serve, reference, model):
             ), str(result)
         else:  # a stream that completed is the uninterrupted stream, token for token
             assert result.token_ids == tokens
-    if model.startswith("drafter"):
+    if model.startswith("drafter") and not aborted:
         assert all(not isinstance(r, ClientError) for r, _ in out)
         assert any("drafter" in (r.stats.get("fallback") or "") for r, _ in out), "the drafter was not hit"
     # back to ready, then identical output with the drafter
     _recovered(serve, prompt, tokens)
-    assert f"the stub process of {model} is gone" in serve.output()
+    assert aborted or f"the stub process of {model} is gone" in serve.output()[seen:]
     assert serve.proc.poll() is None
 
 

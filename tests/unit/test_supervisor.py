@@ -29,3 +29,65 @@ def test_stub_processes_are_found_by_parent_and_model_path(tmp_path):
         proc.wait(10)
     assert stub_processes(os.getpid()) == {}
     assert RELOAD_ALONE == {"drafter_backbone", "drafter_head"}
+
+
+def test_python_backend_abort_is_told_from_other_exits():
+    from dspark.serving.supervisor import python_backend_abort
+
+    stack = (
+        "terminate called after throwing an instance of 'boost::interprocess::lock_exception'\n"
+        "Signal (6) received.\n 12# 0x00007F4887B38219 in /x/backends/python/libtriton_python.so\n"
+    )
+    assert python_backend_abort(-6, stack)
+    assert python_backend_abort(-11, "Signal (11) received.\n 3# in /x/libtriton_python.so")
+    assert not python_backend_abort(-9, stack)  # killed from outside: the operator's business
+    assert not python_backend_abort(1, stack)  # a clean error exit (bad flag, model load failure)
+    assert not python_backend_abort(-6, "Signal (6) received.\n 3# in /x/libtritonserver.so")
+    assert not python_backend_abort(None, stack)
+
+
+class _Aborting:
+    """The parts of a Server the restart policy uses: a process that aborted in the python backend
+    (a real, finished child process) and start() counting the restarts."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+        self.proc.wait(10)
+        self.starts = 0
+
+    def run_log(self):
+        return "boost::interprocess::lock_exception\n in /x/libtriton_python.so"
+
+    def start(self):
+        self.starts += 1
+
+
+def test_after_exit_restarts_a_python_backend_abort_within_its_budget():
+    from dspark.serving.supervisor import RESTARTS_MAX, Supervisor
+
+    server, said = _Aborting(), []
+    sup = Supervisor(server, log=said.append)
+    for i in range(RESTARTS_MAX):
+        assert sup.after_exit(-6)
+        assert server.starts == i + 1
+    assert not sup.after_exit(-6)  # the budget is spent: dspark serve exits non-zero
+    assert server.starts == RESTARTS_MAX and "giving up" in said[-1]
+    assert not Supervisor(server).after_exit(-9)
+
+
+def test_run_log_is_the_last_start_only(tmp_path):
+    from dspark.serving.launcher import Server, ServerError, free_port
+
+    fake = tmp_path / "tritonserver"
+    fake.write_text("#!/bin/sh\necho one run of it\nexit 3\n")
+    fake.chmod(0o755)
+    (tmp_path / "backends" / "python").mkdir(parents=True)
+    s = Server(tmp_path, [], free_port(), free_port(), free_port(), log_path=tmp_path / "log", binary=fake)
+    s.backend_directory = tmp_path / "backends"
+    for _ in range(2):
+        try:
+            s.start(timeout=10)
+        except ServerError:
+            pass
+    assert s.log_path.read_text().count("one run of it") == 2
+    assert s.run_log().count("one run of it") == 1
