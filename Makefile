@@ -5,7 +5,7 @@ PYTEST  := $(PY) -m pytest
 export OMP_NUM_THREADS ?= 2
 SHARED  ?= $(or $(DSPARK_SHARED),../shared)
 
-.PHONY: gpu-check setup demo test test-fast test-slow test-integration lint clean data train eval engines serve sps bench \
+.PHONY: gpu-check gpu-probe setup demo test test-fast test-slow test-integration lint clean data train eval engines serve sps bench \
         replicas-test soak deploy
 
 # GPU=1 adds the GPU stack (requirements-gpu.txt: CUDA torch, TensorRT, onnxruntime-gpu); with
@@ -138,3 +138,10 @@ deploy: setup
 # machines: wheels in ../gpu-wheels and the SmolLM2 checkpoint beside the checkout (README, "GPU").
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# What a bare, offline GPU machine with only CUDA PyTorch can check (no TensorRT, tritonserver or
+# SmolLM2 weights there): greedy losslessness of the torch runtime on the GPU, step/verify/draft
+# timings, CUDA-graph replay → results/gpu-probe/. PY: a Python with CUDA torch (default python3).
+gpu-probe:
+	PYTHONPATH=. $${PY:-python3} -m dspark.perf.gpu_probe --out results/gpu-probe --prompts 16 --max-tokens 64 \
+	  --context 512 --reps 30 --profile
