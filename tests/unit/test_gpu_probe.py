@@ -35,7 +35,18 @@ def test_probe_fails_when_the_runtime_is_not_the_target(tmp_path, monkeypatch):
         return real(other, device)
 
     monkeypatch.setattr(runtimes, "torch_target_graph", perturbed)
-    argv = ["--device", "cpu", "--out", str(tmp_path), "--prompts", "2", "--max-tokens", "8", "--skip", "timing"]
+    argv = [
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "8",
+        "--skip",
+        "timing",
+    ]
     assert gpu_probe.main(argv) == 1
     res = json.loads((tmp_path / "gpu_probe.json").read_text())
     off = res["lossless"]["modes"]["off"]
