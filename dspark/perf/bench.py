@@ -102,7 +102,7 @@ def server_counters(url: str, metrics_url: str | None) -> dict:
 
     from dspark.orchestrator.metrics import parse_prometheus
 
-    out = {"model_seconds": 0.0}
+    out: dict = {"model_seconds": 0.0, "model_seconds_by": {}}
     c = grpcclient.InferenceServerClient(url)
     try:
         for m in MODELS:
@@ -113,7 +113,9 @@ def server_counters(url: str, metrics_url: str | None) -> dict:
             for ms in st.get("model_stats", []):
                 inf = ms.get("inference_stats", {})
                 for part in ("compute_input", "compute_infer", "compute_output"):
-                    out["model_seconds"] += int(inf.get(part, {}).get("ns", 0)) / 1e9
+                    sec = int(inf.get(part, {}).get("ns", 0)) / 1e9
+                    out["model_seconds"] += sec
+                    out["model_seconds_by"][m] = out["model_seconds_by"].get(m, 0.0) + sec
     finally:
         c.close()
     if metrics_url:
@@ -230,6 +232,13 @@ def summarize(mode, concurrency, gens, errors, wall, before, after, peak_rss) ->
         "peak_rss_mb": round(peak_rss, 1) if peak_rss else None,
         "step_ms": 1e3 * step_s / steps if steps else None,
         "model_ms_per_step": 1e3 * model_s / steps if steps else None,
+        # the same split by model (target, drafter_backbone, drafter_head)
+        "model_ms_per_step_by_model": {
+            m: round(1e3 * (s - before.get("model_seconds_by", {}).get(m, 0.0)) / steps, 3)
+            for m, s in after.get("model_seconds_by", {}).items()
+        }
+        if steps
+        else None,
         "overhead": 1.0 - model_s / step_s if step_s > 0 else None,
         "bls_calls_per_step": bls_n / steps if steps else None,
         "bls_mb_per_step": bls_b / steps / 1e6 if steps else None,
@@ -343,6 +352,10 @@ def combine(single: list[dict]) -> list[dict]:
     for rs in cells.values():
         row = {k: v for k, v in rs[0].items() if k != "repeat"}
         for k in row:
+            dicts = [r[k] for r in rs if isinstance(r.get(k), dict)]
+            if k == "model_ms_per_step_by_model" and len(dicts) == len(rs):  # per-model medians
+                row[k] = {m: float(np.median([d.get(m, 0.0) for d in dicts])) for m in dicts[0]}
+                continue
             vals = [r[k] for r in rs if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
             if k in ("mode", "concurrency") or len(vals) != len(rs):
                 continue

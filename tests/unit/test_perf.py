@@ -26,3 +26,26 @@ def test_combine_takes_medians_sums_counts_and_keeps_the_largest_peak_memory():
     assert off["requests"] == 9 and ds["errors"] == 1 and off["wall_s"] == 6.0
     assert off["peak_rss_mb"] == 102.0 and off["repeats"] == 3 and "repeat" not in off
     assert goals(rows)["c1_dspark_aggregate_vs_best_fixed"] == pytest.approx(30.0 / 40.0)
+
+
+def test_summarize_splits_model_time_by_model_per_step():
+    from dspark.perf.bench import summarize
+
+    before = {"model_seconds": 1.0, "model_seconds_by": {"target": 1.0}, "steps": 10, "step_seconds": 2.0}
+    after = {
+        "model_seconds": 4.0,
+        "model_seconds_by": {"target": 3.5, "drafter_backbone": 0.5},
+        "steps": 20,
+        "step_seconds": 6.0,
+    }
+    s = summarize("dspark-skip", 1, [], [], 1.0, before, after, None)
+    assert s["model_ms_per_step"] == 300.0  # 3 s over 10 steps
+    assert s["model_ms_per_step_by_model"] == {"target": 250.0, "drafter_backbone": 50.0}
+
+
+def test_combine_takes_the_median_of_each_model_s_time():
+    rows = [
+        {"mode": "off", "concurrency": 1, "model_ms_per_step_by_model": {"target": t}, "repeat": i}
+        for i, t in enumerate((30.0, 10.0, 20.0))
+    ]
+    assert combine(rows)[0]["model_ms_per_step_by_model"] == {"target": 20.0}
