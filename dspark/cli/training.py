@@ -32,6 +32,12 @@ def add_parsers(sub) -> None:
         help="only unpack the committed answers and rebuild their target cache; generate nothing new",
     )
     dd.add_argument(
+        "--reverse",
+        action="store_true",
+        help="build the target cache from the last answer backwards (a second builder on the same "
+        "--cache, one thread each, meets the first in the middle)",
+    )
+    dd.add_argument(
         "--engines",
         default=None,
         help="generate on the ONNX Runtime target engine of this build folder (make engines) "
@@ -159,7 +165,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.cache:
         from dspark.training.data import build_cache
 
-        n = build_cache(loaded, out, Path(args.cache))
+        n = build_cache(loaded, out, Path(args.cache), reverse=args.reverse)
         if n:
             print(f"[data] rebuilt the target cache for {n} committed answers")
     if args.no_generate:

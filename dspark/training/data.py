@@ -278,15 +278,21 @@ def _write_npz(path: Path, prompt_ids, answer_ids, features, hidden, lse) -> Non
     tmp.rename(path)
 
 
-def build_cache(loaded: LoadedTarget, answers_path: Path, cache_dir: Path, batch_tokens: int = 2048) -> int:
+def build_cache(
+    loaded: LoadedTarget, answers_path: Path, cache_dir: Path, batch_tokens: int = 2048, reverse: bool = False
+) -> int:
     """Rebuild the target cache from committed answers (one forward over prompt + answer per
-    sample, skipping samples already cached). Returns the number of samples written."""
+    sample, skipping samples already cached). `reverse` walks the answers from the end, so that a
+    second builder on the same folder meets the first in the middle. Returns the number of
+    samples written."""
     from tqdm import tqdm
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     todo = [
         a for a in read_answers(answers_path) if not (cache_dir / f"{a['pool']}-{a['index']}.npz").exists()
     ]
+    if reverse:
+        todo.reverse()
     runner = TargetRunner(
         loaded.model,
         num_slots=1,

@@ -1,6 +1,7 @@
 """Training-data regeneration: resumable, and the on-the-fly target cache equals a full forward."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -107,6 +108,10 @@ def test_cache_builders_on_one_folder_skip_what_the_other_wrote(tmp_path, monkey
     monkeypatch.setattr(D, "_write_npz", write_and_let_the_other_builder_write_the_last)
     assert D.build_cache(loaded, tmp_path / "a.jsonl", tmp_path / "c") == 2
     assert len(list((tmp_path / "c").glob("*.npz"))) == 3
+    order = []
+    monkeypatch.setattr(D, "_write_npz", lambda path, *a: order.append(Path(path).stem) or write(path, *a))
+    assert D.build_cache(loaded, tmp_path / "a.jsonl", tmp_path / "r", reverse=True) == 3
+    assert order == [f"{a['pool']}-{a['index']}" for a in reversed(answers)]  # from the end
 
 
 def test_snapshot_keeps_the_complete_answers_of_a_running_job(tmp_path):

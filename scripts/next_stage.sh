@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue 12's next training stage in one background command, resumable at every step:
+#   1. the target cache for every answer in artifacts/data/answers.jsonl (two cooperating
+#      builders on one folder, one thread each: one from the start, one from the end);
+#   2. DSpark and DFlash continued from the shipped drafters, side by side, one thread each
+#      (STEPS at lr 3e-4; each run resumes from its own checkpoints);
+#   3. the held-out eval of both candidates (the `make eval` protocol: 12 prompts per set, γ = 7,
+#      greedy and T = 1, verified on the ORT target engine);
+#   4. a table of τ per cell, candidate against the shipped drafter's docs/acceptance/evals.
+# It ships nothing: copy OUT/K/ to drafters/K/ only when it wins (one shipped update per
+# improvement), then `make engines` and the bench cells (issue 12, item 8).
+#
+#   nohup bash scripts/next_stage.sh > artifacts/next-stage.log 2>&1 &
+# Settings: STEPS (800), OUT (artifacts/next), PY (.venv/bin/python), SHARED (../shared).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+STEPS=${STEPS:-800}
+OUT=${OUT:-artifacts/next}
+SHARED=${SHARED:-../shared}
+export OMP_NUM_THREADS=1
+mkdir -p "$OUT/evals"
+say() { echo "[next-stage $(date -u +%H:%M:%S)] $*"; }
+
+say "answers: $(wc -l < artifacts/data/answers.jsonl); building the target cache (2 builders)"
+"$PY" -m dspark.cli data --no-generate --threads 1 > "$OUT/cache-a.log" 2>&1 &
+"$PY" -m dspark.cli data --no-generate --threads 1 --reverse > "$OUT/cache-b.log" 2>&1 &
+wait
+
+say "training dspark and dflash ($STEPS steps each, side by side)"
+for k in dspark dflash; do
+  "$PY" -m dspark.cli train --kind "$k" --init-from "drafters/$k" --steps "$STEPS" --lr 3e-4 \
+    --threads 1 --out "$OUT/runs/$k" --ship "$OUT/$k" > "$OUT/train-$k.log" 2>&1 &
+done
+wait
+
+say "held-out eval of both candidates"
+engines=$([ -f build/engines/target.opt.onnx ] && echo "--engines build/engines" || true)
+for k in dspark dflash; do
+  (for s in gsm8k-test humaneval mt-bench; do for t in 0 1; do
+    out="$OUT/evals/$k-$s-T$t.json"
+    [ -f "$out" ] && continue
+    # shellcheck disable=SC2086
+    "$PY" -m dspark.cli eval --drafter "$OUT/$k" --data "$SHARED/data/eval/$s.jsonl" --limit 12 \
+      --max-new-tokens 96 --batch 8 --temperature "$t" --threads 1 --json "$out" $engines
+  done; done) > "$OUT/eval-$k.log" 2>&1 &
+done
+wait
+
+say "τ per cell: shipped → candidate"
+"$PY" - "$OUT/evals" <<'EOF'
+import json, sys
+from pathlib import Path
+
+new = Path(sys.argv[1])
+print("| drafter | set | T | shipped τ | candidate τ |")
+print("|---|---|---|---|---|")
+for f in sorted(new.glob("*.json")):
+    old = Path("docs/acceptance/evals") / f.name
+    k, rest = f.stem.split("-", 1)
+    s, t = rest.rsplit("-T", 1)
+    tau = lambda p: json.loads(p.read_text()).get("tau") if p.exists() else None
+    a, b = tau(old), tau(f)
+    print(f"| {k} | {s} | {t} | {a if a is None else round(a, 3)} | {b if b is None else round(b, 3)} |")
+EOF
+say "done"
