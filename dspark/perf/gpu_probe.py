@@ -371,17 +371,12 @@ def markdown(res: dict) -> str:
         ]
         for B, ms in tm["decode_step_ms"].items():
             lines.append(f"| {B} | {ms} | {tm['steps_per_s'][B]} |")
-        lines += [
-            "",
-            "Graph call alone (inputs already on the device): "
-            + ", ".join(f"{k}: {ms} ms" for k, ms in tm["graph_call_ms"].items()),
-        ]
-        if tm.get("cuda_graph_replay_ms"):
-            lines += [
-                "",
-                "The same call captured as a CUDA graph and replayed: "
-                + ", ".join(f"{k}: {ms} ms" for k, ms in tm["cuda_graph_replay_ms"].items()),
-            ]
+        for key, what in (
+            ("graph_call_ms", "Graph call alone (inputs already on the device)"),
+            ("cuda_graph_replay_ms", "The same call captured as a CUDA graph and replayed"),
+        ):
+            if tm.get(key):
+                lines += ["", f"{what}: " + ", ".join(f"{k}: {ms} ms" for k, ms in tm[key].items())]
         if tm.get("profile_b1"):
             lines += [
                 "",
