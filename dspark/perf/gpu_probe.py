@@ -92,8 +92,8 @@ def _ort_providers() -> list[str]:
         return []
 
 
-def build(device: str, drafter_dir: Path, meta_path: Path | None, shape: dict, seed: int):
-    """(CPU oracle target, torch-runtime target graph on device, PyTorch drafter, meta)."""
+def build(drafter_dir: Path, meta_path: Path | None, shape: dict, seed: int):
+    """(target config, the random target (the CPU oracle), the PyTorch drafter attached to it, meta)."""
     from dspark.models.block_drafter import BlockDrafter
     from dspark.models.target import LlamaTarget, TargetConfig
 
@@ -431,9 +431,7 @@ def main(argv=None) -> int:
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "env": env_info(a.device)}
     print(json.dumps(res["env"]), flush=True)
     shape = json.loads(Path(a.shape).read_text()) if a.shape else SMOLLM2_SHAPE
-    cfg, target, drafter, meta = build(
-        a.device, Path(a.drafter), Path(a.meta) if a.meta else None, shape, a.seed
-    )
+    cfg, target, drafter, meta = build(Path(a.drafter), Path(a.meta) if a.meta else None, shape, a.seed)
 
     def save():
         (out / "gpu_probe.json").write_text(json.dumps(res, indent=1))

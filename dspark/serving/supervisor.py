@@ -140,18 +140,17 @@ class Supervisor:
             f"[supervise] tritonserver aborted in its python backend (code {code}, a stub's crash): "
             "starting it again (running streams ended with a connection error; clients retry)"
         )
-        try:  # its stubs, orphaned by the abort, go with it (they are in its process group)
-            os.killpg(self.server.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.server.start()
+        self.restart()
         self.events.append((time.time(), "tritonserver", "server restarted"))
         return True
 
     def restart(self) -> None:
         proc = self.server.proc
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the stubs are in its process group
+        if proc is not None:
+            try:  # the stubs are in its process group (also orphaned ones, after an abort)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             proc.wait(30)
         self.server.start()
 
