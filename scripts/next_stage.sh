@@ -11,13 +11,15 @@
 # improvement), then `make engines` and the bench cells (issue 12, item 8).
 #
 #   nohup bash scripts/next_stage.sh > artifacts/next-stage.log 2>&1 &
-# Settings: STEPS (800), OUT (artifacts/next), PY (.venv/bin/python), SHARED (../shared).
+# Settings: STEPS (800), OUT (artifacts/next), PY (.venv/bin/python), SHARED (../shared),
+# GROW (empty: keep the shipped draft vocabulary; N: grow it to N tokens, `dspark train --grow-vocab`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 STEPS=${STEPS:-800}
 OUT=${OUT:-artifacts/next}
 SHARED=${SHARED:-../shared}
+GROW=${GROW:-}
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT/evals"
 say() { echo "[next-stage $(date -u +%H:%M:%S)] $*"; }
@@ -30,7 +32,7 @@ wait
 say "training dspark and dflash ($STEPS steps each, side by side)"
 for k in dspark dflash; do
   "$PY" -m dspark.cli train --kind "$k" --init-from "drafters/$k" --steps "$STEPS" --lr 3e-4 \
-    --threads 1 --out "$OUT/runs/$k" --ship "$OUT/$k" > "$OUT/train-$k.log" 2>&1 &
+    --threads 1 --out "$OUT/runs/$k" --ship "$OUT/$k" ${GROW:+--grow-vocab "$GROW"} > "$OUT/train-$k.log" 2>&1 &
 done
 wait
 

@@ -89,6 +89,11 @@ def add_parsers(sub) -> None:
         "--init-from", default=None,
         help="start from this drafter (shipped name or checkpoint folder, fp16 is fine) and its vocabulary",
     )  # fmt: skip
+    t.add_argument(
+        "--grow-vocab", type=int, default=None, metavar="N",
+        help="with --init-from: grow its draft vocabulary to N tokens (every token it has, then the most "
+        "frequent answer tokens); new tokens start from its 'outside the vocabulary' rows",
+    )  # fmt: skip
     t.add_argument("--ref-cache", default="artifacts/cache-ref", help="its target cache")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary size")
@@ -262,6 +267,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         references=Path(args.references) if args.references else None,
         ref_cache=Path(args.ref_cache) if args.ref_cache else None,
         init_from=Path(args.init_from) if args.init_from else None,
+        grow_vocab=args.grow_vocab,
     )
     model, summary = res["model"], res["summary"]
     if summary["steps"] < tc.steps:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -215,6 +215,31 @@ class BlockDrafter(DraftModelMixin, nn.Module):
             if self.cfg.head != "none":
                 self.w2.weight.zero_()  # the Markov bias starts at zero: z = U
         return self
+
+    def grown(self, draft_vocab: torch.Tensor) -> BlockDrafter:
+        """This drafter over a larger draft vocabulary (target ids; must hold every id it has now),
+        for continued training on more data (issue 12): every weight is kept, the Markov/RNN
+        rows of the ids it had are copied, a new id's previous-token row W1 starts as the
+        "outside the vocabulary" row (which is what the drafter saw for it until now) and its
+        Markov output row W2 at zero, so that on the old ids the head computes what it did; the
+        new ids' base logits come from the target's LM-head rows (`attach` again after this)."""
+        old = self.draft_vocab
+        new = torch.unique(draft_vocab.long())  # sorted, as build_draft_vocab writes them
+        if not torch.isin(old, new).all():
+            raise ValueError("the grown vocabulary must keep every token of the drafter's vocabulary")
+        Vd = len(old)
+        out = BlockDrafter(replace(self.cfg, draft_vocab_size=len(new)), new)
+        state = {k: v for k, v in self.state_dict().items() if k != "draft_vocab"}
+        if self.cfg.head != "none":
+            where = torch.searchsorted(new, old)  # new index of each old id
+            w1, w2 = state["w1.weight"], state["w2.weight"]
+            g1 = w1[Vd].expand(len(new) + 1, -1).clone()  # the outside row for every new id and itself
+            g1[where] = w1[:Vd]
+            g2 = w2.new_zeros(len(new), w2.shape[1])
+            g2[where] = w2
+            state["w1.weight"], state["w2.weight"] = g1, g2
+        out.load_state_dict({**state, "draft_vocab": new}, strict=True)
+        return out.to(next(self.parameters()).dtype)
 
     # -- parallel stage ----------------------------------------------------------------------
 

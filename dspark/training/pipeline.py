@@ -168,16 +168,27 @@ def run_training(
     references: Path | None = None,
     ref_cache: Path | None = None,
     init_from: Path | None = None,
+    grow_vocab: int | None = None,
 ) -> dict:
     files, held, token_lists = training_files(mix, answers, cache, references, ref_cache)
     if not files:
         raise FileNotFoundError(f"no cached training samples in {cache}: run `make data` first")
+    if grow_vocab is not None and init_from is None:
+        raise ValueError("growing a vocabulary needs a drafter to grow (--init-from); new ones: --vocab-size")
     if init_from is not None:  # continue from a checkpoint (a shipped fp16 drafter): its vocabulary too
         model, _ = load_drafter(str(init_from), loaded)
-        model = model.float().attach(loaded.model.model.embed_tokens.weight, loaded.model.lm_head.weight)
+        embed = loaded.model.model.embed_tokens.weight
+        model = model.float().attach(embed, loaded.model.lm_head.weight)
         if model.cfg.kind != kind:
             raise ValueError(f"--init-from {init_from} is a {model.cfg.kind} drafter, not {kind}")
         vocab = model.draft_vocab
+        if grow_vocab is not None and grow_vocab > len(vocab):  # keep its tokens, add the most frequent
+            if not isinstance(model, BlockDrafter):
+                raise ValueError(f"--grow-vocab works for the block drafters (dspark, dflash), not {kind}")
+            keep = sorted(set(vocab.tolist()) | set(loaded.stop_ids))
+            vocab, _ = build_draft_vocab(token_lists, grow_vocab, must_include=keep)
+            print(f"[train] growing the draft vocabulary {len(model.draft_vocab)} → {len(vocab)}", flush=True)
+            model = model.grown(vocab).attach(embed, loaded.model.lm_head.weight)
         coverage = _coverage(token_lists, vocab)
     else:
         vocab, coverage = build_draft_vocab(token_lists, vocab_size, must_include=sorted(loaded.stop_ids))

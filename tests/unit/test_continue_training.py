@@ -10,7 +10,7 @@ from dspark.training.train import TrainConfig
 from tests.unit.test_block_drafter import _tiny_cache
 
 
-def _run(loaded, tmp_path, out, steps, until=None, init_from=None, kind="dspark"):
+def _run(loaded, tmp_path, out, steps, until=None, init_from=None, kind="dspark", vocab=64, grow=None):
     tc = TrainConfig(steps=steps, seqs_per_step=2, anchors_per_seq=8, lr=1e-3, log_every=2, ckpt_every=2)
     return run_training(
         loaded,
@@ -19,10 +19,11 @@ def _run(loaded, tmp_path, out, steps, until=None, init_from=None, kind="dspark"
         tmp_path / "cache",
         tmp_path / out,
         tc,
-        vocab_size=64,
+        vocab_size=vocab,
         num_layers=1,
         until=until,
         init_from=init_from,
+        grow_vocab=grow,
     )
 
 
@@ -59,3 +60,58 @@ def test_continuing_a_drafter_of_another_kind_is_refused(tmp_path):
     first["model"].save(tmp_path / "ship1", extra={"summary": {"steps": 2}})
     with pytest.raises(ValueError, match="is a dspark drafter, not dflash"):
         _run(loaded, tmp_path, "run2", steps=2, init_from=tmp_path / "ship1", kind="dflash")
+
+
+@pytest.mark.parametrize("kind,head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", None)])
+def test_a_grown_drafter_computes_what_it_did_on_its_old_tokens(kind, head):
+    from tests.conftest import TINY, tiny_target
+    from tests.unit.test_block_drafter import VOCAB, _ctx, _drafter
+
+    target = tiny_target()
+    m = _drafter(kind=kind, head=head or "markov", target=target)
+    bigger = torch.arange(TINY.vocab_size)  # every id: the odd ones are new
+    g = m.grown(bigger).attach(target.model.embed_tokens.weight, target.lm_head.weight)
+    assert g.cfg.draft_vocab_size == TINY.vocab_size and torch.equal(g.draft_vocab, bigger)
+    old = torch.searchsorted(bigger, VOCAB)  # where each old id sits now
+    fresh = torch.ones(len(bigger), dtype=torch.bool)
+    fresh[old] = False
+
+    _, kv = _ctx(m)
+    anchors, p0 = torch.tensor([5, 9]), torch.tensor([6, 9])
+    ok = torch.arange(12).unsqueeze(0) < p0.unsqueeze(1)
+    U, h = m.backbone(anchors, p0, kv, ok)
+    U2, h2 = g.backbone(anchors, p0, _ctx(g)[1], ok)  # the same features through g
+    assert torch.allclose(h2, h, atol=1e-12) and torch.allclose(U2[..., old], U, atol=1e-12)
+    prev = torch.tensor([[5, 3, 8, 7], [9, 2, 1, 4]])  # odd ids: outside the old vocabulary
+    z, conf = m.teacher_forced(U, h, m.to_draft[prev])
+    z2, conf2 = g.teacher_forced(U2, h2, g.to_draft[prev])
+    assert torch.allclose(z2[..., old], z, atol=1e-12) and torch.allclose(conf2, conf, atol=1e-12)
+    assert torch.equal(z2[..., fresh], U2[..., fresh])  # no Markov/RNN bias on a new id yet
+
+
+def test_growing_must_keep_every_token_and_needs_a_drafter(tmp_path):
+    from tests.unit.test_block_drafter import VOCAB, _drafter
+
+    with pytest.raises(ValueError, match="keep every token"):
+        _drafter().grown(VOCAB[1:])
+    loaded, _ = _tiny_cache(tmp_path, n=4, max_new=8)
+    with pytest.raises(ValueError, match="--init-from"):
+        run_training(
+            loaded, "dspark", tmp_path / "a.jsonl", tmp_path / "cache", tmp_path / "r", TrainConfig(steps=1),
+            vocab_size=64, num_layers=1, grow_vocab=80,
+        )  # fmt: skip
+
+
+def test_training_continues_with_a_grown_vocabulary_and_resumes(tmp_path):
+    loaded, _ = _tiny_cache(tmp_path, n=8, max_new=16)
+    first = _run(loaded, tmp_path, "run1", steps=2, vocab=6)
+    first["model"].save(tmp_path / "ship1", extra={"summary": {"steps": 2}})
+    grow = dict(init_from=tmp_path / "ship1", grow=12)
+    whole = _run(loaded, tmp_path, "whole", steps=4, **grow)
+    s0, s1 = first["summary"], whole["summary"]
+    assert s1["vocab_size"] == 12 and s1["vocab_coverage"] > s0["vocab_coverage"]
+    assert set(first["model"].draft_vocab.tolist()) <= set(whole["model"].draft_vocab.tolist())
+    _run(loaded, tmp_path, "split", steps=4, until=2, **grow)
+    split = _run(loaded, tmp_path, "split", steps=4, **grow)  # resumed: same shapes, same result
+    for p, q in zip(whole["model"].parameters(), split["model"].parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
