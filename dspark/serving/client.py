@@ -80,8 +80,10 @@ def stream_generate(
     stop: list[str] | None = None,
     on_text=None,
     timeout: float = 600.0,
+    on_tokens=None,
 ) -> Generation:
-    """One streamed request; raises ClientError with the server's message on an error response."""
+    """One streamed request; raises ClientError with the server's message on an error response.
+    `on_text(piece)` and `on_tokens(ids)` are called as pieces and token ids arrive."""
     import tritonclient.grpc as grpcclient
 
     done = threading.Event()
@@ -100,6 +102,8 @@ def stream_generate(
                 gen.ttft = now
             gen.arrivals.append((now, len(ids)))
             gen.token_ids += ids.tolist()
+            if on_tokens is not None:
+                on_tokens(ids.tolist())
         if piece is not None and len(piece):
             s = piece[0].decode("utf-8", "replace")
             gen.text += s

@@ -118,14 +118,18 @@ def reference(tiny):  # noqa: F811
     return prompt, plain.tokens
 
 
-def _run_streams(url, prompt, n=3):
-    """n concurrent streamed requests, each with DEADLINE; (outcome, seconds) per request."""
+def _run_streams(url, prompt, n=3, streaming=None):
+    """n concurrent streamed requests, each with DEADLINE; (outcome, seconds) per request.
+    `streaming` (an Event) is set when the first tokens of any stream have arrived."""
     out: list = [None] * n
 
     def one(i):
         t0 = time.monotonic()
+        on_tokens = (lambda _ids: streaming.set()) if streaming is not None else None
         try:
-            g = stream_generate(url, input_ids=prompt, max_tokens=60, mode="dspark", timeout=DEADLINE)
+            g = stream_generate(
+                url, input_ids=prompt, max_tokens=60, mode="dspark", on_tokens=on_tokens, timeout=DEADLINE
+            )
             out[i] = (g, time.monotonic() - t0)
         except ClientError as e:
             out[i] = (e, time.monotonic() - t0)
@@ -160,10 +164,15 @@ def test_kill_9_of_a_model_stub_during_streams(serve, reference, model):
     serve.wait_ready()
     _recovered(serve, prompt, tokens)  # warm (first request: SPS probe) and drafter on
     seen = len(serve.output())
-    threads, out = _run_streams(serve.url, prompt)
-    time.sleep(0.3)
     (victim,) = serve.stubs()[model]
+    # kill while the streams are mid-answer: right after the first tokens arrive (a fixed sleep
+    # let fast machines finish all three streams first, and then the drafter was never hit: CI)
+    streaming = threading.Event()
+    t0 = time.monotonic()
+    threads, out = _run_streams(serve.url, prompt, streaming=streaming)
+    assert streaming.wait(DEADLINE), "no stream delivered a token"
     os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic() - t0
     for t in threads:
         t.join(DEADLINE + 15)
     assert not any(t.is_alive() for t in threads), "a client hung past its deadline"
@@ -185,7 +194,10 @@ def test_kill_9_of_a_model_stub_during_streams(serve, reference, model):
             assert result.token_ids == tokens
     if model.startswith("drafter") and not aborted:
         assert all(not isinstance(r, ClientError) for r, _ in out)
-        assert any("drafter" in (r.stats.get("fallback") or "") for r, _ in out), "the drafter was not hit"
+        assert any("drafter" in (r.stats.get("fallback") or "") for r, _ in out), (
+            f"the drafter was not hit: killed {killed_at:.3f} s after the start, streams took "
+            + ", ".join(f"{s:.3f} s" for _, s in out)
+        )
     # back to ready, then identical output with the drafter
     _recovered(serve, prompt, tokens)
     assert aborted or f"the stub process of {model} is gone" in serve.output()[seen:]
