@@ -101,9 +101,10 @@ def stream_generate(
             if gen.ttft is None:
                 gen.ttft = now
             gen.arrivals.append((now, len(ids)))
-            gen.token_ids += ids.tolist()
+            new = ids.tolist()
+            gen.token_ids += new
             if on_tokens is not None:
-                on_tokens(ids.tolist())
+                on_tokens(new)
         if piece is not None and len(piece):
             s = piece[0].decode("utf-8", "replace")
             gen.text += s
