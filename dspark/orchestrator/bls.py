@@ -104,6 +104,7 @@ class RemoteDrafter(Drafter):
         self.num_slots = num_slots
         self.new_positions = int(meta.get("new_positions", 0))  # fed inside the backbone call
         self.pending: dict[int, list[np.ndarray]] = {}
+        self.waiting: dict[int, int] = {}  # rows in pending[rid]: read every round by dspark-skip's plan
         self.known: set[int] = set()  # requests the backbone model holds a context for (drafted once)
         self._catchup = (0, 0.0)  # the backbone model's running totals, from its last answer
 
@@ -115,12 +116,20 @@ class RemoteDrafter(Drafter):
         if self.free_slots <= 0:
             raise RuntimeError(f"all {self.num_slots} drafter sequences are in use")
         self.pending[rid] = [features.float().numpy()]
+        self.waiting[rid] = len(features)
 
     def advance(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
         self.pending[rid].append(features.float().numpy())
+        self.waiting[rid] += len(features)
 
     def catchup_positions(self, rid: int) -> int:
-        return max(0, sum(len(f) for f in self.pending[rid]) - self.new_positions)
+        # a running count: summing the chunks cost O(tokens since the last draft) per request per
+        # round, 64 × ~30 chunks at 64 clients (issue 18, session 14's profile)
+        # the backbone model feeds a request it has not seen (its first draft) all through its
+        # context pass, prompt included; later the last new_positions ride in the backbone call
+        if rid not in self.known:
+            return self.waiting[rid]
+        return max(0, self.waiting[rid] - self.new_positions)
 
     def catchup_totals(self) -> tuple[int, float]:
         return self._catchup
@@ -130,6 +139,7 @@ class RemoteDrafter(Drafter):
         for a request that never drafted (under load dspark-skip's usual case, issue 18: the
         model never saw it)."""
         self.pending.pop(rid, None)
+        self.waiting.pop(rid, None)
         if rid in self.known:
             self.known.discard(rid)
             self.call("drafter_backbone", {"release_ids": np.array([rid], np.int64)}, [])
@@ -151,6 +161,7 @@ class RemoteDrafter(Drafter):
         self._catchup = (int(out["catchup_positions"][0]), float(out["catchup_seconds"][0]))
         for r in rids:
             self.pending[r] = []
+            self.waiting[r] = 0
         U, h = torch.from_numpy(out["base_logits"]), torch.from_numpy(out["hidden"])
         prev = torch.from_numpy(self.to_draft[np.asarray(anchors, np.int64)])
         if self.head_block and self.has_head:

@@ -248,3 +248,39 @@ def test_a_request_that_never_drafted_costs_no_release_call(built):
     assert calls.count("drafter_backbone:release") == drafted
     assert svcs["target"].active == 0 and not svcs["drafter_backbone"].known
     assert svcs["drafter_backbone"].drafter.free_slots == 3
+
+
+def test_catchup_positions_predict_what_the_backbone_feeds(built):
+    """dspark-skip prices a draft by each request's `catchup_positions` (issue 18): over begin /
+    advance / propose in random order, the prediction equals the positions the backbone model then
+    feeds through its context pass (its running total), and a request that drafted owes nothing."""
+    from dspark.core.sampling import make_generator
+
+    _, out = built
+    svcs, call, meta, _ = _services(out)
+    d = RemoteDrafter(call, meta, 3)
+    rng = np.random.default_rng(0)
+    F = meta["config"]["feature_size"]
+
+    def feats(n: int) -> torch.Tensor:
+        return torch.from_numpy(rng.standard_normal((n, F)).astype(np.float32))
+
+    d.begin(1, [], feats(6))
+    d.begin(2, [], feats(2))
+    fed = 0
+    for step in range(12):
+        for rid in (1, 2):
+            d.advance(rid, [], feats(int(rng.integers(1, 4))))
+        rids = [r for r in (1, 2) if rng.random() < 0.4] or [1 + step % 2]
+        owed = sum(d.catchup_positions(r) for r in rids)
+        for r in (1, 2):  # a request's first draft feeds everything through the context pass
+            waiting = sum(map(len, d.pending[r]))
+            assert d.catchup_positions(r) == (max(0, waiting - d.new_positions) if r in d.known else waiting)
+        d.propose(rids, [3] * len(rids), [SamplingParams()] * len(rids), [make_generator(r) for r in rids])
+        fed_now = d.catchup_totals()[0]
+        assert fed_now - fed == owed
+        fed = fed_now
+        assert all(d.catchup_positions(r) == 0 for r in rids)
+    d.end(1)
+    d.end(2)
+    assert not svcs["drafter_backbone"].known
