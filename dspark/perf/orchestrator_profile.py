@@ -3,6 +3,13 @@ real services in one process (the same code as in tritonserver, minus BLS transp
 cProfile. Prints the top functions by own time and the split model time vs the rest.
 
     python -m dspark.perf.orchestrator_profile --engines build/engines --mode dspark --tokens 48
+
+With several modes (comma-separated) and no profiler, it compares what each costs outside the
+models per batcher step, the modes interleaved over --repeats runs (issue 18: what a dspark-skip
+round that drafts for nobody adds to an `off` round):
+
+    python -m dspark.perf.orchestrator_profile --mode off,dspark-skip --concurrency 16 --requests 32 \
+        --tokens 64 --repeats 3 --no-profile
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 from pathlib import Path
 
@@ -25,7 +33,10 @@ def main() -> None:
     ap.add_argument("--engines", default="build/engines")
     ap.add_argument("--mode", default="dspark")
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests decoding at once (slots)")
+    ap.add_argument("--requests", type=int, default=0, help="requests per run (default: --concurrency)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per mode, modes interleaved")
+    ap.add_argument("--no-profile", action="store_true", help="time without cProfile (comparisons)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
@@ -46,11 +57,13 @@ def main() -> None:
         k: make_service({**params, "service": k}) for k in ("target", "drafter_backbone", "drafter_head")
     }
     model_time = {k: 0.0 for k in services}
+    calls = [0]
 
     def call(model, inputs, outputs):
         t0 = time.perf_counter()
         res = services[model].handle(inputs)
         model_time[model] += time.perf_counter() - t0
+        calls[0] += 1
         return {k: res[k] for k in outputs}
 
     orch = make_orchestrator(params, call)
@@ -68,35 +81,56 @@ def main() -> None:
         def error(self, m):
             raise RuntimeError(m)
 
-    def run():
+    def run(mode: str):
         sinks = []
-        for i in range(args.concurrency):
+        for i in range(args.requests or args.concurrency):
             ids = orch.chat_ids(prompts[i % 3])
             req = Request(ids, args.tokens, SamplingParams(), frozenset(orch.limits.stop_ids))
             sinks.append(Sink())
-            eng.submit(req, args.mode, sinks[-1])
+            eng.submit(req, mode, sinks[-1])
         eng.run_until_idle()
         return sinks
 
-    run()  # warm-up
-    for k in model_time:
-        model_time[k] = 0.0
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    sinks = run()
-    prof.disable()
-    wall = time.perf_counter() - t0
-    rounds = sum(s.result.stats.rounds for s in sinks)
-    models = sum(model_time.values())
-    print(
-        f"{args.mode}, {args.concurrency} request(s) × {args.tokens} tokens: {wall:.2f} s, {rounds} rounds; "
-        f"models {models:.2f} s ({', '.join(f'{k} {v:.2f}' for k, v in model_time.items())}), "
-        f"everything else {wall - models:.2f} s = {100 * (wall - models) / wall:.0f}% (profiler on)"
-    )
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
-    print(s.getvalue())
+    modes = args.mode.split(",")
+    for mode in modes:
+        run(mode)  # warm-up (and each mode's prices measured)
+    prof = None if args.no_profile else cProfile.Profile()
+    seen: dict[str, list[tuple[float, float, float, float]]] = {m: [] for m in modes}
+    for rep in range(args.repeats):
+        for mode in modes if rep % 2 == 0 else modes[::-1]:
+            for k in model_time:
+                model_time[k] = 0.0
+            calls[0], steps0 = 0, eng.rounds
+            t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
+            sinks = run(mode)
+            if prof is not None:
+                prof.disable()
+            wall = time.perf_counter() - t0
+            steps = max(eng.rounds - steps0, 1)
+            models = sum(model_time.values())
+            seen[mode].append((wall, models, steps, calls[0]))
+            if prof is not None:
+                rounds = sum(s.result.stats.rounds for s in sinks)
+                print(
+                    f"{mode}, {len(sinks)} request(s) × {args.tokens} tokens: {wall:.2f} s, {rounds} rounds; "
+                    f"models {models:.2f} s ({', '.join(f'{k} {v:.2f}' for k, v in model_time.items())}), "
+                    f"everything else {wall - models:.2f} s = {100 * (wall - models) / wall:.0f}% "
+                    "(profiler on)"
+                )
+    for mode, runs in seen.items():
+        rest = [1e3 * (w - m) / n for w, m, n, _ in runs]
+        model = 1e3 * statistics.median(m / n for _, m, n, _ in runs)
+        print(
+            f"{mode:>12}: outside the models {statistics.median(rest):.2f} ms per step "
+            f"(runs: {', '.join(f'{x:.2f}' for x in rest)}), model {model:.1f} ms per step, "
+            f"{statistics.median(c / n for *_, n, c in runs):.2f} model calls per step"
+        )
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+        print(s.getvalue())
 
 
 if __name__ == "__main__":
