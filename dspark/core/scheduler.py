@@ -513,7 +513,7 @@ class SkipPlanner:
         self.probing = True  # whether the last `choose` found that a refresh could pay
         self._recent: deque[np.ndarray] = deque(maxlen=self.RECENT)  # confidences of drafted rounds
         self._best: np.ndarray | None = None  # best_case(), until a round is recorded
-        self._seen: dict[int, np.ndarray] = {}  # request → the last confidences recorded for it
+        self._seen: dict[int, bytes] = {}  # request → the last confidences recorded for it (raw bytes)
         self._skipped: dict[int, int] = {}  # request → consecutive rounds without drafting
         self._refresh: dict[int, int] = {}  # request → its refresh interval
         self._last_refresh = -(10**9)  # the round of the last refresh
@@ -582,9 +582,9 @@ class SkipPlanner:
         interval = np.array([self._refresh.get(r, self.REFRESH) for r in rids])
         has_history = ~np.isnan(last).all(axis=1)
         for r in np.flatnonzero(has_history):  # record the confidences of newly drafted rounds
-            seen = self._seen.get(rids[r])
-            if seen is None or not np.array_equal(seen, last[r]):
-                self._seen[rids[r]] = last[r].copy()
+            row = last[r].tobytes()  # a bytes compare: np.array_equal per request per round cost more
+            if self._seen.get(rids[r]) != row:
+                self._seen[rids[r]] = row
                 self._recent.append(last[r].copy())
                 self._best = None
         if has_history.any():
@@ -624,6 +624,8 @@ class SkipPlanner:
                 d = np.flatnonzero(due)
                 d = d[np.argsort(catch[d], kind="stable")]
                 lo, hi = 0, len(d)  # d[:lo] pay, d[hi:] do not
+                if len(d):  # under load the cheapest usually does not pay: one plan, not log2(R)
+                    lo, hi = (1, hi) if pays(float(catch[d[0]])) else (0, 0)
                 while lo < hi:
                     mid = (lo + hi) // 2
                     if pays(float(catch[d[mid]])):

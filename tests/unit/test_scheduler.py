@@ -774,6 +774,44 @@ def test_a_new_request_the_population_rejects_still_probes_on_its_first_grid_rou
     assert not planner.choose(4, [8, 0], np.stack([poor, none]), avail, 0.005, dear)[1]
 
 
+def test_the_probes_of_many_due_requests_equal_judging_each_alone():
+    """A refresh round with many requests due judges each at its own catch-up price; the planner
+    finds who pays by bisection over the sorted prices, first checking the cheapest (under load
+    usually nobody pays: one plan instead of log2(R)). Whatever the prices — none, some or all
+    paying — the probes equal judging each new request alone next to the same history."""
+    from dspark.core.scheduler import DSparkSkip, SkipPlanner
+
+    sps = SPSTable.from_step_times([1, 64], [0.020, 0.083])
+    poor, rich, none = np.full(7, 0.05), np.full(7, 0.95), np.full(7, np.nan)
+
+    def prepared() -> SkipPlanner:
+        planner = SkipPlanner(DSparkSkip(sps))
+        planner.choose(1, [9], rich[None], np.full(1, 7), 0.005)  # a good stretch, then gone
+        planner.forget(9)
+        planner.choose(2, [8], poor[None], np.full(1, 7), 0.005)  # the population is poor now
+        return planner
+
+    def probes(catch: np.ndarray) -> list[bool]:
+        R = len(catch)
+        rids, conf, avail = (
+            [8, *range(100, 100 + R)],
+            np.vstack([poor[None], np.tile(none, (R, 1))]),
+            np.full(R + 1, 7),
+        )
+        planner = prepared()
+        assert not planner.choose(3, rids, conf, avail, 0.005)[1:].any()  # judged poor: they wait
+        return planner.choose(4, rids, conf, avail, 0.005, np.append(0.0, catch))[1:].tolist()  # due
+
+    rng = np.random.default_rng(3)
+    seen = set()
+    for scale in (1e-4, 0.003, 0.01, 0.03, 0.1, 1.0):
+        catch = rng.uniform(0, scale, 9)
+        got = probes(catch)
+        assert got == [probes(np.array([c]))[0] for c in catch]
+        seen.add((any(got), all(got)))
+    assert seen == {(False, False), (True, False), (True, True)}  # nobody, some and everybody paid
+
+
 def test_sps_sweep_summary_takes_the_median_over_passes_and_fits_it_monotone():
     from dspark.perf.sps import summarise
 
