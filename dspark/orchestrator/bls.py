@@ -123,10 +123,9 @@ class RemoteDrafter(Drafter):
         self.waiting[rid] += len(features)
 
     def catchup_positions(self, rid: int) -> int:
-        # a running count: summing the chunks cost O(tokens since the last draft) per request per
-        # round, 64 × ~30 chunks at 64 clients (issue 18, session 14's profile)
-        # the backbone model feeds a request it has not seen (its first draft) all through its
-        # context pass, prompt included; later the last new_positions ride in the backbone call
+        # A running count (summing the chunks cost O(tokens since the last draft) per request per
+        # round). The backbone model feeds a request it has not seen (its first draft) all through
+        # its context pass, prompt included; later the last new_positions ride in the backbone call.
         if rid not in self.known:
             return self.waiting[rid]
         return max(0, self.waiting[rid] - self.new_positions)
