@@ -95,7 +95,8 @@ def main() -> None:
     for mode in modes:
         run(mode)  # warm-up (and each mode's prices measured)
     prof = None if args.no_profile else cProfile.Profile()
-    seen: dict[str, list[tuple[float, float, int, int]]] = {m: [] for m in modes}  # wall, models, steps, calls
+    # per mode, per run: wall seconds, model seconds, batcher steps, model calls
+    seen: dict[str, list[tuple[float, float, int, int]]] = {m: [] for m in modes}
     for rep in range(args.repeats):
         for mode in modes if rep % 2 == 0 else modes[::-1]:
             for k in model_time:
