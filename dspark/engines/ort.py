@@ -24,6 +24,11 @@ from dspark.engines.runtimes import DeviceKV, RuntimeSpec, as_graph, host, ort_s
 from dspark.models.block_drafter import sample_block
 from dspark.models.slots import SlotRunner
 
+# What one more target call costs on the CPU, in token rows of a call (length_groups): a few rows'
+# worth (SmolLM2 on the 2-core VM: ~12 ms a row at 64 rows, ~10 ms at 16). A padded verify costs in
+# proportion to rows × longest row there (`python -m dspark.perf.target_padding`, docs/results.md).
+CPU_CALL_OVERHEAD = 4.0
+
 
 class ShapeError(ValueError):
     """A request that does not fit the shapes an engine was built for."""
@@ -58,6 +63,7 @@ class OrtTargetRunner(SlotRunner):
         max_len: int = 2048,
         max_positions: int | None = None,
         outputs: str = "host",
+        group_overhead: float | None | str = "auto",
     ) -> None:
         self.graph = as_graph(sess)
         self.cfg = cfg
@@ -76,6 +82,11 @@ class OrtTargetRunner(SlotRunner):
         if outputs not in ("host", "device"):
             raise ValueError("outputs must be 'host' or 'device'")
         self.outputs = outputs
+        # rows of different lengths in one step: split into calls by length (length_groups) where
+        # compute grows with rows × padded tokens (the CPU); a GPU pads for free at these sizes
+        if group_overhead == "auto":
+            group_overhead = CPU_CALL_OVERHEAD if torch.device(self.device).type == "cpu" else None
+        self.group_overhead = group_overhead
         self.cache = DeviceKV(
             cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, "target KV", self.device
         )
@@ -95,11 +106,14 @@ class OrtTargetRunner(SlotRunner):
         ids = np.zeros((R, N), np.int64)
         for r, t in enumerate(tokens):
             ids[r, : len(t)] = t
-        piece = self._piece(R, N)
-        if piece is None:
-            logits, feats, hidden = self._run(idx, past_len, ids, n)
-        else:
-            logits, feats, hidden = self._pieces(idx, past_len, ids, n, *piece)
+        groups = length_groups(n, self.group_overhead) if self.group_overhead is not None else [None]
+        if len(groups) == 1:
+            logits, feats, hidden = self._call(idx, past_len, ids, n)
+        else:  # rows of very different lengths: one call per group, each padded to its own longest
+            parts = []
+            for g in groups:
+                parts.append((g, self._call(idx[g], past_len[g], ids[g, : int(n[g].max())], n[g])))
+            logits, feats, hidden = _assemble(parts, R, N)
         c.length[idx] = past_len + n
         if last_only:
             logits = logits[torch.arange(R, device=logits.device), torch.as_tensor(n - 1).to(logits.device)]
@@ -107,6 +121,13 @@ class OrtTargetRunner(SlotRunner):
         if self.outputs == "host":
             return TargetStep(host(logits), host(feats), host(hidden))
         return TargetStep(logits, feats, hidden)
+
+    def _call(self, idx, past_len, ids, n):
+        R, N = ids.shape
+        piece = self._piece(R, N)
+        if piece is None:
+            return self._run(idx, past_len, ids, n)
+        return self._pieces(idx, past_len, ids, n, *piece)
 
     def _run(self, idx, past_len, ids, n):
         """One graph call: rows idx with past past_len and new tokens ids [R, N] (n valid)."""
@@ -146,13 +167,49 @@ class OrtTargetRunner(SlotRunner):
                 nn = np.minimum(n[sub] - t0, toks)
                 out = self._run(idx[sub], past_len[sub] + t0, ids[sub, t0 : t0 + int(nn.max())], nn)
                 parts.append((sub, t0, out))
-        first = parts[0][2]
-        full = [x.new_zeros((R, N, *x.shape[2:])) for x in first]
-        for sub, t0, out in parts:
-            rows_t = torch.as_tensor(sub).to(full[0].device)
-            for f, x in zip(full, out):
-                f[rows_t, t0 : t0 + x.shape[1]] = x
-        return tuple(full)
+        return _assemble([(sub, out) for sub, _, out in parts], R, N, [t0 for _, t0, _ in parts])
+
+
+def _assemble(parts, R: int, N: int, offsets: list[int] | None = None) -> tuple:
+    """The [R, N, ...] outputs of one call, from the calls over (rows, outputs) parts; part i's
+    outputs start at token offsets[i] (0 by default)."""
+    first = parts[0][1]
+    full = [x.new_zeros((R, N, *x.shape[2:])) for x in first]
+    for i, (sub, out) in enumerate(parts):
+        t0 = offsets[i] if offsets else 0
+        rows_t = torch.as_tensor(sub).to(full[0].device)
+        for f, x in zip(full, out):
+            f[rows_t, t0 : t0 + x.shape[1]] = x
+    return tuple(full)
+
+
+def length_groups(n: np.ndarray, overhead: float) -> list[np.ndarray]:
+    """Rows of one target step split into the calls that cost least when a call of r rows
+    padded to t tokens costs r × t + `overhead` (in token rows): a verify where one request
+    checks 7 drafts and 63 check none is 64 + 8 rows in two calls, not 64 × 8 in one. Groups are
+    runs of rows sorted by length (an optimal partition always is), found by dynamic programming
+    over the sorted lengths; one group (all rows, in order) when splitting does not pay."""
+    R = len(n)
+    if R < 2 or int(n.min()) == int(n.max()):
+        return [np.arange(R)]
+    order = np.argsort(n, kind="stable")
+    m = n[order].astype(np.float64)
+    best = np.full(R + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros(R + 1, np.int64)
+    for i in range(1, R + 1):  # best[i]: rows order[:i]; the last group order[j:i] is padded to m[i-1]
+        j = np.arange(i)
+        cost = best[:i] + (i - j) * m[i - 1] + overhead
+        cut[i] = int(np.argmin(cost))
+        best[i] = cost[cut[i]]
+    if best[R] >= R * m[-1] + overhead:  # no better than the single call
+        return [np.arange(R)]
+    groups = []
+    i = R
+    while i > 0:
+        groups.append(np.sort(order[cut[i] : i]))
+        i = cut[i]
+    return groups[::-1]
 
 
 def _target_boxes(graph) -> list[tuple[int, int, int]]:

@@ -15,7 +15,7 @@ from dspark.core.reference import generate
 from dspark.core.scheduler import policy_for
 from dspark.core.sps import SPSTable
 from dspark.engines import tensorrt as trt_mod
-from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, session
+from dspark.engines.ort import CPU_CALL_OVERHEAD, OrtDrafterRunner, OrtTargetRunner, length_groups, session
 from dspark.engines.runtimes import (
     DeviceKV,
     OrtGraph,
@@ -217,7 +217,8 @@ def test_calls_larger_than_the_plan_run_in_pieces_with_the_same_result(built):
     _, _, out = built
     sess = session(out / "target.opt.onnx", 1)
     limited = _Limited(sess, [(2, 3, 64), (1, 8, 64)])  # decode: 2 rows × 3; prefill: 1 row × 8
-    a, b = OrtTargetRunner(limited, TINY, 5, 64), OrtTargetRunner(OrtGraph(sess), TINY, 5, 64)
+    a = OrtTargetRunner(limited, TINY, 5, 64)
+    b = OrtTargetRunner(OrtGraph(sess), TINY, 5, 64, group_overhead=None)
     g = torch.Generator().manual_seed(3)
     for r in (a, b):
         [r.allocate() for _ in range(5)]
@@ -234,6 +235,71 @@ def test_calls_larger_than_the_plan_run_in_pieces_with_the_same_result(built):
     assert max(n for _, n in limited.calls) <= 8 and (1, 8) in limited.calls
     with pytest.raises(ValueError, match="past positions the target plan was built for"):
         OrtTargetRunner(limited, TINY, 2, 128)
+
+
+class _Recorder(OrtGraph):
+    def __init__(self, sess):
+        super().__init__(sess)
+        self.calls = []
+
+    def run(self, names, feed):
+        self.calls.append(feed["input_ids"].shape)
+        return super().run(names, feed)
+
+
+def test_rows_of_different_lengths_run_in_length_groups_with_the_same_result(built):
+    _, _, out = built
+    sess = session(out / "target.opt.onnx", 1)
+    rec = _Recorder(sess)
+    a = OrtTargetRunner(rec, TINY, 6, 64)  # CPU: grouped by default
+    b = OrtTargetRunner(OrtGraph(sess), TINY, 6, 64, group_overhead=None)
+    assert a.group_overhead == CPU_CALL_OVERHEAD and b.group_overhead is None
+    g = torch.Generator().manual_seed(5)
+    for r in (a, b):
+        [r.allocate() for _ in range(6)]
+    for lens in ([5, 3, 7, 2, 6, 4], [8, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 8, 2, 1, 8, 1]):
+        rec.calls.clear()
+        toks = [torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist() for n in lens]
+        x, y = a.step(list(range(6)), toks), b.step(list(range(6)), toks)
+        assert x.logits.shape == y.logits.shape == (6, max(lens), TINY.vocab_size)
+        for r, n in enumerate(lens):
+            assert torch.allclose(x.logits[r, :n], y.logits[r, :n], atol=1e-5)
+            assert torch.equal(x.logits[r, :n].argmax(-1), y.logits[r, :n].argmax(-1))
+            assert torch.allclose(x.features[r, :n], y.features[r, :n], atol=1e-4)
+        expect = [tuple(map(len, length_groups(np.array(lens), CPU_CALL_OVERHEAD)))]
+        assert [c[0] for c in rec.calls] == list(expect[0])
+        if lens[0] == 8:  # one long verify among short ones: 5 + 1 rows, not 6 × 8
+            assert sorted(rec.calls) == [(1, 8), (5, 1)]
+    assert [a.length(s) for s in range(6)] == [b.length(s) for s in range(6)]
+
+
+def _partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for p in _partitions(rest):
+        yield [[first]] + p
+        for i in range(len(p)):
+            yield p[:i] + [[first] + p[i]] + p[i + 1 :]
+
+
+@pytest.mark.parametrize("overhead", [0.0, 1.0, 4.0, 30.0])
+def test_length_groups_is_the_cheapest_partition(overhead):
+    rng = np.random.default_rng(int(overhead))
+    for _ in range(40):
+        n = rng.integers(1, 9, size=int(rng.integers(1, 7)))
+        groups = length_groups(n, overhead)
+        assert sorted(np.concatenate(groups).tolist()) == list(range(len(n)))
+        assert all(np.all(np.diff(g) > 0) for g in groups)  # each group keeps the rows' order
+
+        def cost(part, n=n):
+            return sum(len(g) * int(n[list(g)].max()) + overhead for g in part)
+
+        best = min(cost(p) for p in _partitions(list(range(len(n)))))
+        assert cost(groups) == pytest.approx(best)
+        if len(groups) > 1:
+            assert cost(groups) < cost([range(len(n))])  # split only when it pays
 
 
 def test_a_runner_refuses_more_positions_than_the_rope_table(built):
