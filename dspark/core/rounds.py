@@ -190,12 +190,25 @@ def verify(target: Target, seqs: list[SequenceState], d: Draft, lengths: np.ndar
         [s.slot for s in seqs],
         [[s.anchor] + d.tokens[r, : lengths[r]].tolist() for r, s in enumerate(seqs)],
     )
-    # p over the max ℓ + 1 positions this step verified (no padding to γ + 1: at high load most
-    # rows verify ℓ = 0 and [R, γ+1, V] would be mostly copies)
-    p = warp_rows(step.logits[:, : gamma + 1], [s.req.params for s in seqs])
     u = torch.stack([uniforms(s.gen, gamma + 1) for s in seqs])
-    verdict = chain_verify(d.tokens, d.probs, p, torch.from_numpy(lengths), u, d.vocab, d.index)
-    return Verification(step, verdict, start)
+    params = [s.req.params for s in seqs]
+    # p over the ℓ_r + 1 positions each row verified, rows grouped by ℓ: under load most rows
+    # verify ℓ = 0 next to a few that verify up to γ, and warping the step's padded [R, max ℓ + 1, V]
+    # would cost (max ℓ + 1) × the round's real work (rows are independent: same verdicts)
+    accepted = torch.zeros(len(seqs), dtype=torch.long)
+    next_token = torch.zeros(len(seqs), dtype=torch.long)
+    for ell in np.unique(lengths).tolist():
+        rows = np.flatnonzero(lengths == ell)
+        if len(rows) == len(seqs):
+            p = warp_rows(step.logits[:, : ell + 1], params)
+            verdict = chain_verify(d.tokens, d.probs, p, torch.from_numpy(lengths), u, d.vocab, d.index)
+            return Verification(step, verdict, start)
+        r = torch.from_numpy(rows)
+        p = warp_rows(step.logits[r, : ell + 1], [params[i] for i in rows])
+        index = d.index[r] if d.index is not None else None
+        part = chain_verify(d.tokens[r], d.probs[r], p, torch.from_numpy(lengths[rows]), u[r], d.vocab, index)
+        accepted[r], next_token[r] = part.accepted, part.next_token
+    return Verification(step, Verdict(accepted, next_token), start)
 
 
 def commit(

@@ -154,3 +154,64 @@ def test_target_probs_over_max_length_plus_one_positions_verify_like_the_full_bl
         if n > 1:
             with pytest.raises(ValueError, match="target positions"):
                 chain_verify(prop.tokens, q, p[:, : n - 1], lengths, u, vocab, index)
+
+
+def test_a_round_verifies_its_rows_grouped_by_length_exactly_like_one_padded_batch():
+    """rounds.verify warps and verifies rows grouped by ℓ (a step's logits are padded to the
+    longest row): same verdicts as one batch over max ℓ + 1 positions, for greedy and sampled
+    rows, drafting and non-drafting ones, dense or compact q."""
+    import numpy as np
+
+    from dspark.core import rounds
+    from dspark.core.interfaces import Request, SamplingParams, TargetStep
+    from dspark.core.sampling import make_generator, uniforms, warp_rows
+
+    g = torch.Generator().manual_seed(7)
+    R, G, V = 9, 5, 40
+    vocab = torch.randperm(V, generator=g)[:14]
+
+    class Fixed:  # the target's step: these logits, whatever the tokens
+        def __init__(self, logits):
+            self.logits = logits
+
+        def length(self, slot):
+            return 10
+
+        def step(self, slots, tokens, last_only=False):
+            n = max(len(t) for t in tokens)
+            return TargetStep(self.logits[:, :n], torch.zeros(len(slots), n, 4))
+
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=1.2, top_k=5),
+    ]
+    for trial in range(30):
+        prop, _, lengths, _ = _random_round(g, R, G, V, vocab, G)
+        drafting = (torch.rand(R, generator=g) < 0.6).numpy()
+        lengths = np.where(drafting, lengths.numpy(), 0).astype(np.int64)
+        logits = torch.randn(R, G + 1, V, generator=g) * 3
+        seqs = []
+        for r in range(R):
+            req = Request([1, 2], max_tokens=50, params=params[(r + trial) % len(params)])
+            s = rounds.SequenceState(r, req, r, make_generator(100 * trial + r))
+            s.out = [3]
+            seqs.append(s)
+        compact = trial % 2 == 0
+        d = rounds.Draft(
+            prop.tokens,
+            prop.probs if compact else prop.dense_probs(V),
+            np.zeros((R, G)),
+            drafting,
+            vocab if compact else None,
+            prop.index if compact else None,
+        )
+        got = rounds.verify(Fixed(logits), seqs, d, lengths).verdict
+        # the same uniforms, drawn again from fresh generators, through one padded batch
+        u = torch.stack([uniforms(make_generator(100 * trial + r), G + 1) for r in range(R)])
+        n = int(lengths.max()) + 1
+        p = warp_rows(logits[:, :n], [s.req.params for s in seqs])
+        want = chain_verify(d.tokens, d.probs, p, torch.from_numpy(lengths), u, d.vocab, d.index)
+        assert torch.equal(got.accepted, want.accepted), trial
+        assert torch.equal(got.next_token, want.next_token), trial
