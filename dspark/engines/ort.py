@@ -109,15 +109,15 @@ class OrtTargetRunner(SlotRunner):
         groups = length_groups(n, self.group_overhead) if self.group_overhead is not None else [None]
         if len(groups) == 1:
             logits, feats, hidden = self._call(idx, past_len, ids, n)
+            if last_only:
+                logits = _last(logits, n)
         else:  # rows of very different lengths: one call per group, each padded to its own longest
             parts = []
             for g in groups:
-                parts.append((g, self._call(idx[g], past_len[g], ids[g, : int(n[g].max())], n[g])))
-            logits, feats, hidden = _assemble(parts, R, N)
+                lg, fg, hg = self._call(idx[g], past_len[g], ids[g, : int(n[g].max())], n[g])
+                parts.append((g, (_last(lg, n[g]) if last_only else lg, fg, hg)))
+            logits, feats, hidden = _assemble(parts, R)
         c.length[idx] = past_len + n
-        if last_only:
-            logits = logits[torch.arange(R, device=logits.device), torch.as_tensor(n - 1).to(logits.device)]
-            logits = logits[:, None]
         if self.outputs == "host":
             return TargetStep(host(logits), host(feats), host(hidden))
         return TargetStep(logits, feats, hidden)
@@ -167,16 +167,23 @@ class OrtTargetRunner(SlotRunner):
                 nn = np.minimum(n[sub] - t0, toks)
                 out = self._run(idx[sub], past_len[sub] + t0, ids[sub, t0 : t0 + int(nn.max())], nn)
                 parts.append((sub, t0, out))
-        return _assemble([(sub, out) for sub, _, out in parts], R, N, [t0 for _, t0, _ in parts])
+        return _assemble([(sub, out) for sub, _, out in parts], R, [t0 for _, t0, _ in parts])
 
 
-def _assemble(parts, R: int, N: int, offsets: list[int] | None = None) -> tuple:
+def _last(logits: torch.Tensor, n: np.ndarray) -> torch.Tensor:
+    """[R, 1, V]: each row's logits at its last new token."""
+    rows = torch.arange(len(n), device=logits.device)
+    return logits[rows, torch.as_tensor(n - 1).to(logits.device)][:, None]
+
+
+def _assemble(parts, R: int, offsets: list[int] | None = None) -> tuple:
     """The [R, N, ...] outputs of one call, from the calls over (rows, outputs) parts; part i's
-    outputs start at token offsets[i] (0 by default)."""
+    outputs start at token offsets[i] (0 by default), and N is the widest part's end."""
+    starts = offsets or [0] * len(parts)
     first = parts[0][1]
-    full = [x.new_zeros((R, N, *x.shape[2:])) for x in first]
-    for i, (sub, out) in enumerate(parts):
-        t0 = offsets[i] if offsets else 0
+    widths = [max(t0 + out[j].shape[1] for t0, (_, out) in zip(starts, parts)) for j in range(len(first))]
+    full = [x.new_zeros((R, w, *x.shape[2:])) for x, w in zip(first, widths)]
+    for t0, (sub, out) in zip(starts, parts):
         rows_t = torch.as_tensor(sub).to(full[0].device)
         for f, x in zip(full, out):
             f[rows_t, t0 : t0 + x.shape[1]] = x

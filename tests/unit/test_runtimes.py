@@ -270,6 +270,11 @@ def test_rows_of_different_lengths_run_in_length_groups_with_the_same_result(bui
         assert [c[0] for c in rec.calls] == list(expect[0])
         if lens[0] == 8:  # one long verify among short ones: 5 + 1 rows, not 6 × 8
             assert sorted(rec.calls) == [(1, 8), (5, 1)]
+    rec.calls.clear()  # a prefill of prompts of different lengths: the last logits of each row
+    toks = [torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist() for n in (9, 1, 2, 9, 1, 1)]
+    x, y = a.step(list(range(6)), toks, last_only=True), b.step(list(range(6)), toks, last_only=True)
+    assert len(rec.calls) > 1 and x.logits.shape == y.logits.shape == (6, 1, TINY.vocab_size)
+    assert torch.allclose(x.logits, y.logits, atol=1e-5)
     assert [a.length(s) for s in range(6)] == [b.length(s) for s in range(6)]
 
 
