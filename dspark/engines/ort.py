@@ -53,6 +53,9 @@ class OrtTargetRunner(SlotRunner):
     rows in chunks, and long prompts in consecutive token chunks, each attending to the cache
     the previous one wrote. Outputs are CPU tensors (`outputs="host"`, what the decoding loop
     reads) or stay on the device (`"device"`: the Triton model hands them over through DLPack).
+    On the CPU, rows of very different lengths (a verify of 8 tokens among 1-token rows, prompts
+    of different lengths) run as calls per length group (`length_groups`), because there a call
+    costs rows × its longest row; the outputs are the padded call's.
     """
 
     def __init__(
