@@ -199,11 +199,7 @@ def verify(target: Target, seqs: list[SequenceState], d: Draft, lengths: np.ndar
     next_token = torch.zeros(len(seqs), dtype=torch.long)
     for ell in np.unique(lengths).tolist():
         rows = np.flatnonzero(lengths == ell)
-        if len(rows) == len(seqs):
-            p = warp_rows(step.logits[:, : ell + 1], params)
-            verdict = chain_verify(d.tokens, d.probs, p, torch.from_numpy(lengths), u, d.vocab, d.index)
-            return Verification(step, verdict, start)
-        r = torch.from_numpy(rows)
+        r = slice(None) if len(rows) == len(seqs) else torch.from_numpy(rows)  # one ℓ: views, no copies
         p = warp_rows(step.logits[r, : ell + 1], [params[i] for i in rows])
         index = d.index[r] if d.index is not None else None
         part = chain_verify(d.tokens[r], d.probs[r], p, torch.from_numpy(lengths[rows]), u[r], d.vocab, index)

@@ -109,7 +109,7 @@ class OrtTargetRunner(SlotRunner):
         ids = np.zeros((R, N), np.int64)
         for r, t in enumerate(tokens):
             ids[r, : len(t)] = t
-        groups = length_groups(n, self.group_overhead) if self.group_overhead is not None else [None]
+        groups = [idx] if self.group_overhead is None else length_groups(n, self.group_overhead)
         if len(groups) == 1:
             logits, feats, hidden = self._call(idx, past_len, ids, n)
             if last_only:
