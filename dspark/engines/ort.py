@@ -252,6 +252,20 @@ def draft_vocabulary(meta: dict) -> tuple[int, torch.Tensor, np.ndarray]:
     return vocab_size, draft_vocab, to_draft
 
 
+def pack_rows(lengths: list[int], cap: int) -> list[list[int]]:
+    """Rows (by index) in order, in groups whose lengths sum to at most `cap` (a row longer than
+    `cap` is a group of its own)."""
+    groups: list[list[int]] = []
+    total = cap + 1
+    for i, n in enumerate(lengths):
+        if total + n > cap:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
+
+
 class OrtDrafterRunner(Drafter):
     """The DSpark drafter on its three engines (context, backbone, head), Drafter interface.
 
@@ -321,25 +335,26 @@ class OrtDrafterRunner(Drafter):
             )
 
     def _flush(self, slots: list[int], feats: list[np.ndarray]) -> None:
-        """Project feats[i] into the context cache of slots[i] after what it holds: ONE context
-        engine call for all rows (padded to the longest; projection is per position, so the
-        padding changes nothing and is not written)."""
+        """Project feats[i] into the context cache of slots[i] after what it holds. Projection is
+        per position, so the rows' positions are packed one after another into a single row of
+        at most `max_context` positions per context engine call (usually one call): no padding
+        to the longest row (a refresh or first drafts of prompts of different lengths)."""
         rows = [(s, f) for s, f in zip(slots, feats) if len(f)]
         if not rows:
             return
         t0 = time.perf_counter()
-        n = np.array([len(f) for _, f in rows], np.int64)
-        start = np.array([int(self.cache.length[s]) for s, _ in rows], np.int64)
-        T = int(n.max())
-        batch = np.zeros((len(rows), T, self.cfg["feature_size"]), np.float32)
-        for r, (_, f) in enumerate(rows):
-            batch[r, : len(f)] = f
-        pos = start[:, None] + np.arange(T)[None, :]
-        out = self.context.run(None, {"features": batch, "positions": pos})
-        self.cache.write([s for s, _ in rows], start, out[0::2], out[1::2], n)
-        for (s, _), k, n_r in zip(rows, start, n):
-            self.cache.length[s] = k + n_r
-        self.catchup = (self.catchup[0] + int(n.sum()), self.catchup[1] + time.perf_counter() - t0)
+        for group in pack_rows([len(f) for _, f in rows], self.max_context):
+            sel = [rows[i] for i in group]
+            n = np.array([len(f) for _, f in sel], np.int64)
+            start = np.array([int(self.cache.length[s]) for s, _ in sel], np.int64)
+            flat = np.concatenate([f for _, f in sel]).astype(np.float32, copy=False)[None]
+            pos = np.concatenate([k + np.arange(m) for k, m in zip(start, n)])[None]
+            out = self.context.run(None, {"features": flat, "positions": pos})
+            self.cache.write([s for s, _ in sel], start, out[0::2], out[1::2], n, packed=True)
+            for (s, _), k, n_r in zip(sel, start, n):
+                self.cache.length[s] = k + n_r
+        fed = sum(len(f) for _, f in rows)
+        self.catchup = (self.catchup[0] + fed, self.catchup[1] + time.perf_counter() - t0)
 
     def begin(self, rid: int, token_ids: list[int], features: torch.Tensor) -> None:
         slot = self.cache.allocate()

@@ -240,17 +240,19 @@ class DeviceKV(SlotPool):
             [v[:, :, :S].index_select(0, i) for v in self.v],
         )
 
-    def write(self, slots, start, new_k, new_v, count) -> None:
+    def write(self, slots, start, new_k, new_v, count, packed: bool = False) -> None:
         """Row r's first count[r] new positions go to slot slots[r] from position start[r]
-        (new_k/new_v: per layer [R, KV, N, D], tensors on any device or numpy arrays)."""
+        (new_k/new_v: per layer [R, KV, N, D], tensors on any device or numpy arrays). `packed`:
+        new_k/new_v are [1, KV, sum(count), D], the rows' positions one after another."""
         count = np.asarray(count, np.int64)
         if not count.size or not count.any():
             return
         rows = np.repeat(np.arange(len(count)), count)
         cols = np.concatenate([np.arange(n) for n in count])
+        src_r, src_c = (np.zeros_like(rows), np.arange(len(rows))) if packed else (rows, cols)
         dest = np.asarray(slots, np.int64)[rows]
         pos = np.asarray(start, np.int64)[rows] + cols
-        r, c, d, p = (torch.from_numpy(a).to(self.device) for a in (rows, cols, dest, pos))
+        r, c, d, p = (torch.from_numpy(a).to(self.device) for a in (src_r, src_c, dest, pos))
         for layer in range(len(self.k)):
             self.k[layer][d, :, p] = as_tensor(new_k[layer], self.device, self.k[layer].dtype)[r, :, c]
             self.v[layer][d, :, p] = as_tensor(new_v[layer], self.device, self.v[layer].dtype)[r, :, c]

@@ -11,7 +11,7 @@ from dspark.core.rounds import SequenceState
 from dspark.core.sampling import SamplingParams, make_generator
 from dspark.core.scheduler import DSparkSkip, SkipPlanner, Static
 from dspark.core.sps import SPSTable
-from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, session
+from dspark.engines.ort import OrtDrafterRunner, OrtTargetRunner, pack_rows, session
 from dspark.models.block_drafter import BlockDrafterRunner
 from dspark.models.target import TargetRunner
 from tests.conftest import TINY, tiny_target
@@ -117,6 +117,52 @@ def test_lazy_feeding_equals_eager_feeding_ort_drafter_with_one_batched_catch_up
         for a, b in zip(k1 + v1, k2 + v2):
             np.testing.assert_allclose(a, b, atol=1e-5)
     assert results[True][2] < results[False][2], "lazy catch-up should batch the context calls"
+
+
+def test_pack_rows_keeps_order_and_fills_calls_up_to_the_cap():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lens = rng.integers(1, 30, size=int(rng.integers(1, 12))).tolist()
+        cap = int(rng.integers(1, 60))
+        groups = pack_rows(lens, cap)
+        assert [i for g in groups for i in g] == list(range(len(lens)))  # every row once, in order
+        for a, b in zip(groups, groups[1:]):
+            assert len(a) == 1 or sum(lens[i] for i in a) <= cap  # only a lone long row exceeds it
+            assert sum(lens[i] for i in a) + lens[b[0]] > cap  # a new call only when the next row overflows
+    assert pack_rows([], 8) == []
+
+
+def test_a_catch_up_packs_rows_of_different_lengths_into_one_context_call(ort_build):
+    """The context projection is per position: rows packed one after another into one call
+    write the same keys/values as one call per row, with no padding to the longest row."""
+    _, out = ort_build
+    lens = [5, 17, 1, 9]
+    packed, single = (OrtDrafterRunner.load(out, num_slots=4, threads=1) for _ in range(2))
+    F = packed.cfg["feature_size"]
+    rng = np.random.default_rng(3)
+    feats = [rng.standard_normal((n, F)).astype(np.float32) for n in lens]
+    for d in (packed, single):
+        for rid in range(4):
+            d.begin(rid, [], torch.zeros(0, F))
+    slots = [packed._slot[r] for r in range(4)]
+    calls = {"n": 0}
+    packed.context = _Counting(packed.context, calls)
+    packed._flush(slots, feats)
+    assert calls["n"] == 1
+    for s, f in zip(slots, feats):
+        single._flush([s], [f])
+    for cap, expect in ((20, 3), (31, 2)):  # calls never exceed the engine's positions
+        packed.max_context, calls["n"] = cap, 0
+        packed._flush(slots, feats)
+        assert calls["n"] == expect
+        for s, f in zip(slots, feats):
+            single._flush([s], [f])
+    assert packed.catchup[0] == single.catchup[0] == 3 * sum(lens)
+    for s in slots:
+        n = int(single.cache.length[s])
+        assert int(packed.cache.length[s]) == n == 3 * lens[slots.index(s)]
+        for a, b in zip(packed.cache.k + packed.cache.v, single.cache.k + single.cache.v):
+            np.testing.assert_allclose(np.asarray(a[s, :, :n]), np.asarray(b[s, :, :n]), atol=1e-5)
 
 
 def test_a_round_in_which_nobody_drafts_makes_exactly_one_model_call(ort_build):

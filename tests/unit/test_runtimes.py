@@ -106,6 +106,13 @@ def test_device_slots_gather_and_scatter_like_the_per_row_copies():
     assert k[0].shape == (2, 2, 7, 3) and k[0].is_contiguous()
     assert torch.equal(k[1][1], kv.k[1][2, :, :7]) and torch.equal(v[0][0], kv.v[0][3, :, :7])
     kv.write([1], [0], new_k, new_v, [0])  # nothing to write is fine
+    packed = DeviceKV(2, 4, 2, 10, 3, "test", "cpu")  # the rows' positions one after another
+    flat_k = [torch.cat([k[r, :, :n] for r, n in enumerate(count)], dim=1)[None] for k in new_k]
+    flat_v = [torch.cat([v[r, :, :n] for r, n in enumerate(count)], dim=1)[None] for v in new_v]
+    packed.write(slots, start, flat_k, flat_v, count, packed=True)
+    for a, b in zip(packed.k + packed.v, kv.k + kv.v):
+        for s, s0, n in zip(slots, start, count):
+            assert torch.equal(a[s, :, s0 : s0 + n], b[s, :, s0 : s0 + n])
 
 
 # -- IOBinding and the torch runtime on device cpu ----------------------------------------------
