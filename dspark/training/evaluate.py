@@ -68,7 +68,8 @@ def evaluate(
     progress: bool = True,
     target_factory=None,
 ) -> tuple[dict, dict]:
-    """Returns the result JSON and the per-round arrays (confidence logits, accepted, verified).
+    """Returns the result JSON and the per-round arrays (confidence logits, accepted, verified, and
+    the index of the request each round belongs to; a request's rounds are contiguous).
 
     target_factory(num_slots, max_len) may supply another Target (the ORT engine: `--engines`)."""
     from tqdm import tqdm
@@ -80,6 +81,8 @@ def evaluate(
     else:
         runner = TargetRunner(loaded.model, num_slots=cfg.batch, max_len=max_len)
     stats, traces, new_tokens, skipped = AcceptanceStats(), [], 0, 0
+    request: list[int] = []  # which request each round belongs to (for per-request replays)
+    n_done = 0
     reqs = []
     for i, text in enumerate(prompts):
         ids = loaded.chat_ids(text)
@@ -93,6 +96,8 @@ def evaluate(
     for b in range(0, len(reqs), cfg.batch):
         for res in generate(runner, reqs[b : b + cfg.batch], drafter=drafter, policy=Static(gamma)):
             stats.merge(res.stats)
+            request.extend([n_done] * len(res.trace))
+            n_done += 1
             traces.extend(res.trace)
             new_tokens += len(res.tokens)
         bar.update(len(reqs[b : b + cfg.batch]))
@@ -112,7 +117,8 @@ def evaluate(
         report = calibration_report(logits, accepted, verified, sts)
         out["ece_raw"], out["ece_sts"] = report["ece_raw"], report["ece_sts"]
         out["calibration"] = report
-    return out, {"logits": logits, "accepted": accepted, "verified": verified}
+    request_of_round = np.array(request, dtype=np.int64)
+    return out, {"logits": logits, "accepted": accepted, "verified": verified, "request": request_of_round}
 
 
 def fit_sts_on_traces(traces: list[RoundTrace], gamma: int) -> STS:

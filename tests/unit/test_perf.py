@@ -49,3 +49,27 @@ def test_combine_takes_the_median_of_each_model_s_time():
         for i, t in enumerate((30.0, 10.0, 20.0))
     ]
     assert combine(rows)[0]["model_ms_per_step_by_model"] == {"target": 20.0}
+
+
+def test_online_offset_recovers_a_known_shift_and_replays_causally():
+    import numpy as np
+
+    from dspark.core.calibration import STS, sigmoid
+    from dspark.perf.calibration_online import map_offset, replay, split_requests
+
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=20_000)
+    y = (rng.random(z.size) < sigmoid(z + 0.7)).astype(float)  # the head is 0.7 logits underconfident
+    assert abs(map_offset(z, y, prior=1e-9) - 0.7) < 0.05
+    assert abs(map_offset(z, y, prior=1e9)) < 1e-3  # a strong prior keeps b at 0
+
+    # three requests of 3 + 2 + 4 rounds, 7 drafts each; the replay's first round of a request
+    # carries no offset in request mode (nothing seen yet), later rounds are shifted.
+    acc = np.array([7, 7, 7, 0, 7, 7, 7, 7, 7])
+    ver = np.full(9, 7)
+    bounds = split_requests(acc, budget=17)
+    assert bounds == [(0, 3), (3, 6), (6, 9)]
+    logits = np.zeros((9, 7))
+    out = replay(logits, acc, ver, STS.identity(7), [(0, 3), (3, 5), (5, 9)], prior=1.0, mode="request")
+    assert np.all(out[[0, 3, 5]] == 0.0)
+    assert np.all(out[1] > 0) and np.all(out[4] < 0) and np.all(out[8] > out[6])
