@@ -42,26 +42,29 @@ data: setup
 
 # `make train` trains on the answers already regenerated (the committed snapshot on a fresh clone);
 # run `make data` first to generate the rest. Same token budget for the three drafters, in the
-# four stages the shipped drafters were made in (issue 12): TRAIN_STEPS from scratch at lr 6e-4,
-# then CONTINUE_STEPS, THIRD_STEPS and FINAL_STEPS more, each from the previous stage's fp16
-# drafter at lr 3e-4 (what `--init-from` does with a shipped drafter). Every stage resumes from its
-# checkpoints. The shipped drafters' stages saw 632, 746, 1,229 and 1,879 answers; here all four
-# see what is there. (scripts/next_stage.sh adds one more stage to the shipped drafters.)
+# six stages the shipped drafters were made in (issue 12): TRAIN_STEPS from scratch at lr 6e-4,
+# then CONTINUE_STEPS, THIRD_STEPS, FOURTH_STEPS, FIFTH_STEPS and SIXTH_STEPS more, each from the
+# previous stage's fp16 drafter at lr 3e-4 (what `--init-from` does with a shipped drafter), 5,000
+# steps in all. Every stage resumes from its checkpoints. The shipped drafters' stages saw 632, 746,
+# 1,229, 1,879, 4,688 and 4,688 answers; here all six see what is there. (scripts/next_stage.sh
+# adds one more stage to the shipped drafters.)
 TRAIN_STEPS ?= 500
 CONTINUE_STEPS ?= 400
 THIRD_STEPS ?= 800
-FINAL_STEPS ?= 800
+FOURTH_STEPS ?= 800
+FIFTH_STEPS ?= 1000
+SIXTH_STEPS ?= 1500
 train: setup
 	$(PY) -m dspark.cli data --no-generate
 	for k in dspark dflash eagle3; do \
 	  $(PY) -m dspark.cli train --kind $$k --steps $(TRAIN_STEPS) --out artifacts/runs/$$k \
 	    --ship artifacts/stage1/$$k || exit 1; \
-	  $(PY) -m dspark.cli train --kind $$k --init-from artifacts/stage1/$$k --steps $(CONTINUE_STEPS) \
-	    --lr 3e-4 --out artifacts/runs/$$k-continued --ship artifacts/stage2/$$k || exit 1; \
-	  $(PY) -m dspark.cli train --kind $$k --init-from artifacts/stage2/$$k --steps $(THIRD_STEPS) \
-	    --lr 3e-4 --out artifacts/runs/$$k-third --ship artifacts/stage3/$$k || exit 1; \
-	  $(PY) -m dspark.cli train --kind $$k --init-from artifacts/stage3/$$k --steps $(FINAL_STEPS) \
-	    --lr 3e-4 --out artifacts/runs/$$k-final || exit 1; done
+	  prev=artifacts/stage1/$$k; stage=2; \
+	  for steps in $(CONTINUE_STEPS) $(THIRD_STEPS) $(FOURTH_STEPS) $(FIFTH_STEPS) $(SIXTH_STEPS); do \
+	    ship=$$( [ $$stage = 6 ] && echo drafters/$$k || echo artifacts/stage$$stage/$$k ); \
+	    $(PY) -m dspark.cli train --kind $$k --init-from $$prev --steps $$steps --lr 3e-4 \
+	      --out artifacts/runs/$$k-stage$$stage --ship $$ship || exit 1; \
+	    prev=$$ship; stage=$$((stage + 1)); done; done
 
 EVAL_SETS  := gsm8k-test humaneval mt-bench
 EVAL_LIMIT ?= 12
