@@ -68,6 +68,11 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument(
+        "--length-spread", type=float, default=0.0,
+        help="each request's max tokens drawn from max-tokens × [1 − S, 1 + S] (the same draw in every "
+        "cell): staggers the streams' finishes as real traffic does (0 = all equal)",
+    )  # fmt: skip
+    b.add_argument(
         "--min-requests", type=int, default=3, help="requests per cell: max(this, 2 × concurrency)"
     )
     b.add_argument(
@@ -100,7 +105,7 @@ def cmd_bench(args) -> int:
     if args.url:
         run_bench(
             args.url, modes, conc, prompts, args.max_tokens, args.min_requests, args.time_limit, out,
-            repeats=args.repeats,
+            repeats=args.repeats, length_spread=args.length_spread,
         )  # fmt: skip
         return 0
     engines = Path(args.engines)
@@ -131,6 +136,7 @@ def cmd_bench(args) -> int:
             run_bench(
                 f"127.0.0.1:{server.grpc_port}", modes, conc, prompts, args.max_tokens, args.min_requests,
                 args.time_limit, out, metrics_url, server.proc.pid, meta, repeats=args.repeats,
+                length_spread=args.length_spread,
             )  # fmt: skip
     except ServerError as e:
         print(f"error: {e}", file=sys.stderr)

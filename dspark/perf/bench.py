@@ -42,6 +42,20 @@ SETS = ["gsm8k-test", "humaneval", "mt-bench"]
 MODELS = ["target", "drafter_backbone", "drafter_head"]
 
 
+def request_lengths(max_tokens: int, spread: float, n: int, seed: int = 0) -> list[int]:
+    """Each request's max_tokens in a cell: all `max_tokens` (spread 0), or drawn uniformly from
+    max_tokens × [1 − spread, 1 + spread], the same draw in every cell and mode. With equal lengths
+    and clients that start together, target-only streams finish in the same step and the next
+    wave's prompts prefill together (padded, one long step) while speculative streams drift apart:
+    a spread keeps every mode's arrivals staggered, as real traffic is."""
+    if not 0.0 <= spread < 1.0:
+        raise ValueError(f"length spread must be in [0, 1), got {spread}")
+    if spread == 0.0:
+        return [max_tokens] * n
+    lo, hi = max(1, round(max_tokens * (1 - spread))), round(max_tokens * (1 + spread))
+    return [int(x) for x in np.random.default_rng(seed).integers(lo, hi + 1, size=n)]
+
+
 def bench_prompts(n: int, per_set: int = 20) -> list[dict]:
     """n prompts, round-robin over the three eval sets (first turns; the first `per_set` of each
     set, repeated when n is larger; the in-repository sample's 8 when ../shared is absent)."""
@@ -156,14 +170,17 @@ def run_cell(
     time_limit: float,
     metrics_url: str | None = None,
     pgid: int | None = None,
+    length_spread: float = 0.0,
 ) -> dict:
     """One (mode, concurrency) cell: `requests` requests over `concurrency` clients, bounded
-    by `time_limit` seconds (no new request starts after it)."""
+    by `time_limit` seconds (no new request starts after it); request i asks for
+    `request_lengths(...)[i]` tokens."""
     from dspark.serving.client import ClientError, stream_generate
 
     gens, errors, lock = [], [], threading.Lock()
     deadline = time.monotonic() + time_limit
     counter = iter(range(requests))
+    lengths = request_lengths(max_tokens, length_spread, requests)
 
     def client():
         while time.monotonic() < deadline:
@@ -174,7 +191,7 @@ def run_cell(
             p = prompts[i % len(prompts)]
             try:
                 g = stream_generate(
-                    url, text=p.get("text"), input_ids=p.get("input_ids"), max_tokens=max_tokens,
+                    url, text=p.get("text"), input_ids=p.get("input_ids"), max_tokens=lengths[i],
                     mode=mode, timeout=time_limit + REQUEST_GRACE_S,
                 )  # fmt: skip
                 with lock:
@@ -394,6 +411,7 @@ def run_bench(
     meta: dict | None = None,
     log=print,
     repeats: int = 1,
+    length_spread: float = 0.0,
 ) -> dict:
     """Every (concurrency, mode) cell, `repeats` times: at each concurrency the modes run one
     after another, in reverse order on odd repeats, so that a drift of the machine's speed
@@ -413,6 +431,7 @@ def run_bench(
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "settings": {
             "max_tokens": max_tokens,
+            "length_spread": length_spread,
             "requests_per_cell": f"max({min_requests}, 2 × concurrency)",
             "time_limit_s": time_limit,
             "greedy": True,
@@ -431,8 +450,9 @@ def run_bench(
     with tqdm(total=len(cells), unit="cell", desc="bench") as bar:
         for c, k, m in cells:
             r = run_cell(
-                url, m, c, prompts, max_tokens, max(min_requests, 2 * c), time_limit, metrics_url, pgid
-            )
+                url, m, c, prompts, max_tokens, max(min_requests, 2 * c), time_limit, metrics_url, pgid,
+                length_spread=length_spread,
+            )  # fmt: skip
             single.append({**r, "repeat": k})
             bar.set_postfix(mode=m, c=c, agg=f"{r['aggregate_tps']:.1f}", user=f"{r['per_user_tps']:.1f}")
             bar.update()

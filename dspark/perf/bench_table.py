@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("bench_json")
     args = ap.parse_args(argv)
     data = json.loads(Path(args.bench_json).read_text())
-    print(f"{args.bench_json}: {data.get('date')}, {data.get('machine')}")
+    spread = data.get("settings", {}).get("length_spread") or 0
+    lengths = f", max tokens ×[{1 - spread:g}, {1 + spread:g}] per request" if spread else ""
+    print(f"{args.bench_json}: {data.get('date')}, {data.get('machine')}{lengths}")
     print(table(data))
     return 0
 

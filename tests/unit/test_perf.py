@@ -1,8 +1,9 @@
 """Pure parts of the benchmark tooling."""
 
+import numpy as np
 import pytest
 
-from dspark.perf.bench import combine, goals
+from dspark.perf.bench import combine, goals, request_lengths
 
 
 def _run(mode, c, agg, k, **extra):
@@ -73,3 +74,13 @@ def test_online_offset_recovers_a_known_shift_and_replays_causally():
     out = replay(logits, acc, ver, STS.identity(7), [(0, 3), (3, 5), (5, 9)], prior=1.0, mode="request")
     assert np.all(out[[0, 3, 5]] == 0.0)
     assert np.all(out[1] > 0) and np.all(out[4] < 0) and np.all(out[8] > out[6])
+
+
+def test_request_lengths_are_one_draw_for_every_cell_and_stay_in_their_range():
+    assert request_lengths(64, 0.0, 5) == [64] * 5
+    a = request_lengths(64, 0.5, 400)
+    assert a == request_lengths(64, 0.5, 400)  # every mode and cell asks for the same lengths
+    assert min(a) >= 32 and max(a) <= 96 and len(set(a)) > 30
+    assert abs(np.mean(a) - 64) < 3
+    with pytest.raises(ValueError, match="length spread"):
+        request_lengths(64, 1.0, 3)
