@@ -9,6 +9,11 @@ MAP estimate under a Gaussian prior of strength `prior`, refitted before every r
 only earlier rounds (causal, so the replay is what a server would have seen). `stream` mode
 keeps one offset for all the traffic of a set (the last 2,000 reached positions).
 
+`--crossfit` asks the other question, whether a richer global form would transfer across
+domains: per-position STS and per-position Platt scaling (slope and bias, c_k = σ(a_k z_k + b_k)),
+each fitted left to right on the rounds of two eval sets (both temperatures) by the grid search
+STS uses, and scored on the third set.
+
 This replays the rounds of `dspark eval` (docs/acceptance/evals/KIND-SET-TT.rounds.npz, one row
 per round, requests in order) and prints ECE after STS, as `calibration_report` computes it,
 with and without the offset. Rounds belong to requests by the file's `request` array (written
@@ -26,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.core.calibration import STS, calibration_report, sigmoid
+from dspark.core.calibration import STS, _ece_rows, calibration_report, prefix_labels, sigmoid
 from dspark.training.pipeline import load_drafter_meta
 
 SETS = ("gsm8k-test", "humaneval", "mt-bench")
@@ -78,12 +83,67 @@ def replay(logits, accepted, verified, sts: STS, bounds, prior: float, mode: str
     return out
 
 
+def fit_sequential(z, accepted, verified, slopes, biases, n_bins: int = 20) -> list[tuple[float, float]]:
+    """Per position k, left to right, the (a_k, b_k) from the grid that minimises the ECE of the
+    cumulative product Π_{i≤k} σ(a_i z_i + b_i) against the accepted-prefix labels; with biases
+    (0,) and slopes 1/T this is STS's fit."""
+    z = np.asarray(z, dtype=np.float64)
+    labels, valid = prefix_labels(accepted, verified, z.shape[1])
+    grid = [(float(a), float(b)) for a in slopes for b in biases]
+    cum, params = np.ones(len(z)), []
+    for k in range(z.shape[1]):
+        m = valid[:, k]
+        preds = np.array([cum[m] * sigmoid(a * z[m, k] + b) for a, b in grid])
+        best = grid[int(np.argmin(_ece_rows(np.clip(preds, 1e-8, 1 - 1e-8), labels[m, k], n_bins)))]
+        params.append(best)
+        cum = cum * sigmoid(best[0] * z[:, k] + best[1])
+    return params
+
+
+def crossfit(evals: Path, drafter: str) -> None:
+    """Leave one eval set out: fit STS and per-position Platt on the other two, score the third."""
+    data = {}
+    for s in SETS:
+        for t in (0, 1):
+            r = np.load(evals / f"{drafter}-{s}-T{t}.rounds.npz")
+            data[s, t] = (r["logits"].astype(np.float64), r["accepted"], r["verified"])
+    shipped = STS.from_dict(load_drafter_meta(drafter)["sts"])
+    identity = STS.identity(shipped.gamma)
+    forms = {
+        "STS": (1.0 / np.linspace(0.2, 10.0, 200), (0.0,)),
+        "Platt (slope, bias)": (np.geomspace(0.05, 3.0, 40), np.linspace(-3.0, 3.0, 41)),
+    }
+    print(
+        "| held-out set | T | STS shipped | "
+        + " | ".join(f"{f}, fitted on the other sets" for f in forms)
+        + " |"
+    )
+    print("|---|---|---|" + "---|" * len(forms))
+    for hold in SETS:
+        fit = [data[s, t] for s in SETS if s != hold for t in (0, 1)]
+        z, acc, ver = (np.concatenate([f[i] for f in fit]) for i in range(3))
+        params = {f: fit_sequential(z, acc, ver, *grid) for f, grid in forms.items()}
+        for t in (0, 1):
+            zh, ah, vh = data[hold, t]
+            eces = [calibration_report(zh, ah, vh, shipped)["ece_sts"]]
+            for p in params.values():
+                cal = np.stack([a * zh[:, k] + b for k, (a, b) in enumerate(p)], axis=1)
+                eces.append(calibration_report(cal, ah, vh, identity)["ece_sts"])
+            print(f"| {hold} | {t} | " + " | ".join(f"{e:.3f}" for e in eces) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--evals", default="docs/acceptance/evals")
     ap.add_argument("--drafter", default="dspark", help="shipped drafter whose STS and evals are replayed")
     ap.add_argument("--priors", default="1,5,20")
+    ap.add_argument(
+        "--crossfit", action="store_true", help="STS vs Platt fitted on two sets, scored on the third"
+    )
     args = ap.parse_args(argv)
+    if args.crossfit:
+        crossfit(Path(args.evals), args.drafter)
+        return
     sts = STS.from_dict(load_drafter_meta(args.drafter)["sts"])
     identity = STS.identity(sts.gamma)
     cells = [(s, t) for t in (0, 1) for s in SETS]

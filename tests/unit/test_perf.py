@@ -76,6 +76,28 @@ def test_online_offset_recovers_a_known_shift_and_replays_causally():
     assert np.all(out[1] > 0) and np.all(out[4] < 0) and np.all(out[8] > out[6])
 
 
+def test_sequential_fit_recovers_a_known_slope_and_bias_and_reduces_to_sts():
+    from dspark.core.calibration import STS, sigmoid
+    from dspark.perf.calibration_online import fit_sequential
+
+    rng = np.random.default_rng(1)
+    z = rng.normal(size=(30_000, 2))
+    c = sigmoid(np.array([2.0, 0.5]) * z + np.array([-1.0, 1.0]))  # the true conditional law
+    u = rng.random(z.shape)
+    accepted = np.where(u[:, 0] >= c[:, 0], 0, np.where(u[:, 1] >= c[:, 1], 1, 2))
+    verified = np.full(len(z), 2)
+    (a1, b1), (a2, b2) = fit_sequential(
+        z, accepted, verified, np.linspace(0.25, 3, 12), np.linspace(-2, 2, 9)
+    )
+    assert abs(a1 - 2.0) <= 0.25 and abs(b1 + 1.0) <= 0.5  # one grid step
+    assert abs(a2 - 0.5) <= 0.25 and abs(b2 - 1.0) <= 0.5
+    # with no bias and slopes 1/T it is STS's own fit
+    temps = np.linspace(0.2, 10.0, 50)
+    fit = fit_sequential(z, accepted, verified, 1 / temps, (0.0,))
+    sts = STS.fit(z, accepted, verified, grid=temps)
+    assert np.allclose([1 / a for a, _ in fit], sts.temperatures)
+
+
 def test_request_lengths_are_one_draw_for_every_cell_and_stay_in_their_range():
     assert request_lengths(64, 0.0, 5) == [64] * 5
     a = request_lengths(64, 0.5, 400)
