@@ -71,7 +71,7 @@ def _check_probabilities(p: np.ndarray, name: str) -> None:
         )
 
 
-def _ece_rows(preds: np.ndarray, label: np.ndarray, n_bins: int) -> np.ndarray:
+def ece_rows(preds: np.ndarray, label: np.ndarray, n_bins: int) -> np.ndarray:
     """ECE of each row of preds [G, M] against one label vector [M]; returns [G].
 
     Σ_b (n_b/M)·|mean_b(p) − mean_b(y)| equals Σ_b |Σ_b p − Σ_b y| / M, which needs only
@@ -99,7 +99,7 @@ def ece(pred: ArrayLike, label: ArrayLike, n_bins: int = DEFAULT_N_BINS) -> floa
     _check_probabilities(p, "pred")
     if p.size == 0:
         return math.nan
-    return float(_ece_rows(p[None, :], y, int(n_bins))[0])
+    return float(ece_rows(p[None, :], y, int(n_bins))[0])
 
 
 def auroc(score: ArrayLike, label: ArrayLike) -> float:
@@ -334,7 +334,7 @@ class STS:
                 for start in range(0, temps_grid.size, chunk):
                     t = temps_grid[start : start + chunk, None]
                     cand = np.clip(prev[None, :] * sigmoid(zk[None, :] / t), PRED_CLIP, 1.0 - PRED_CLIP)
-                    scores[start : start + chunk] = _ece_rows(cand, yk, int(n_bins))
+                    scores[start : start + chunk] = ece_rows(cand, yk, int(n_bins))
                 best = np.flatnonzero(scores <= scores.min() + 1e-12)
                 t_k = float(temps_grid[best[np.argmin(np.abs(np.log(temps_grid[best])))]])
             temps.append(t_k)

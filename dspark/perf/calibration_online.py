@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.core.calibration import STS, _ece_rows, calibration_report, prefix_labels, sigmoid
+from dspark.core.calibration import STS, calibration_report, ece_rows, prefix_labels, sigmoid
 from dspark.training.pipeline import load_drafter_meta
 
 SETS = ("gsm8k-test", "humaneval", "mt-bench")
@@ -94,7 +94,7 @@ def fit_sequential(z, accepted, verified, slopes, biases, n_bins: int = 20) -> l
     for k in range(z.shape[1]):
         m = valid[:, k]
         preds = np.array([cum[m] * sigmoid(a * z[m, k] + b) for a, b in grid])
-        best = grid[int(np.argmin(_ece_rows(np.clip(preds, 1e-8, 1 - 1e-8), labels[m, k], n_bins)))]
+        best = grid[int(np.argmin(ece_rows(np.clip(preds, 1e-8, 1 - 1e-8), labels[m, k], n_bins)))]
         params.append(best)
         cum = cum * sigmoid(best[0] * z[:, k] + best[1])
     return params
