@@ -68,9 +68,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument(
-        "--length-spread", type=float, default=0.0,
+        "--length-spread", type=float, default=0.5,
         help="each request's max tokens drawn from max-tokens × [1 − S, 1 + S] (the same draw in every "
-        "cell): staggers the streams' finishes as real traffic does (0 = all equal)",
+        "cell): staggers the streams' finishes as real traffic does (0 = all equal, the protocol "
+        "before session 17)",
     )  # fmt: skip
     b.add_argument(
         "--min-requests", type=int, default=3, help="requests per cell: max(this, 2 × concurrency)"
