@@ -53,8 +53,6 @@ def test_combine_takes_the_median_of_each_model_s_time():
 
 
 def test_online_offset_recovers_a_known_shift_and_replays_causally():
-    import numpy as np
-
     from dspark.core.calibration import STS, sigmoid
     from dspark.perf.calibration_online import map_offset, replay, split_requests
 
