@@ -12,7 +12,9 @@
 #
 #   nohup bash scripts/next_stage.sh > artifacts/next-stage.log 2>&1 &
 # Settings: STEPS (800), OUT (artifacts/next), PY (.venv/bin/python), SHARED (../shared),
-# GROW (empty: keep the shipped draft vocabulary; N: grow it to N tokens, `dspark train --grow-vocab`).
+# GROW (empty: keep the shipped draft vocabulary; N: grow it to N tokens, `dspark train --grow-vocab`),
+# LIMIT (12: prompts per eval set, `make eval`'s protocol; any other value also evaluates the shipped
+# drafters on the same prompts, into OUT/evals-shipped, and the table compares against those).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -20,6 +22,7 @@ STEPS=${STEPS:-800}
 OUT=${OUT:-artifacts/next}
 SHARED=${SHARED:-../shared}
 GROW=${GROW:-}
+LIMIT=${LIMIT:-12}
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT/evals"
 say() { echo "[next-stage $(date -u +%H:%M:%S)] $*"; }
@@ -36,33 +39,45 @@ for k in dspark dflash; do
 done
 wait
 
-say "held-out eval of both candidates"
+say "held-out eval of both candidates ($LIMIT prompts per set)"
 engines=$([ -f build/engines/target.opt.onnx ] && echo "--engines build/engines" || true)
-for k in dspark dflash; do
-  (for s in gsm8k-test humaneval mt-bench; do for t in 0 1; do
-    out="$OUT/evals/$k-$s-T$t.json"
+evaluate() {  # drafter folder, output folder
+  for s in gsm8k-test humaneval mt-bench; do for t in 0 1; do
+    out="$2/$(basename "$1")-$s-T$t.json"
     [ -f "$out" ] && continue
     # shellcheck disable=SC2086
-    "$PY" -m dspark.cli eval --drafter "$OUT/$k" --data "$SHARED/data/eval/$s.jsonl" --limit 12 \
+    "$PY" -m dspark.cli eval --drafter "$1" --data "$SHARED/data/eval/$s.jsonl" --limit "$LIMIT" \
       --max-new-tokens 96 --batch 8 --temperature "$t" --threads 1 --json "$out" $engines
-  done; done) > "$OUT/eval-$k.log" 2>&1 &
+  done; done
+}
+base=docs/acceptance/evals
+if [ "$LIMIT" != 12 ]; then base="$OUT/evals-shipped"; mkdir -p "$base"; fi
+for k in dspark dflash; do
+  (evaluate "$OUT/$k" "$OUT/evals"
+   [ "$base" = docs/acceptance/evals ] || evaluate "drafters/$k" "$base") > "$OUT/eval-$k.log" 2>&1 &
 done
 wait
 
 say "τ per cell: shipped → candidate"
-"$PY" - "$OUT/evals" <<'EOF'
+"$PY" - "$OUT/evals" "$base" <<'EOF'
 import json, sys
 from pathlib import Path
 
 new = Path(sys.argv[1])
 print("| drafter | set | T | shipped τ | candidate τ |")
 print("|---|---|---|---|---|")
+macro = {}
 for f in sorted(new.glob("*.json")):
-    old = Path("docs/acceptance/evals") / f.name
+    old = Path(sys.argv[2]) / f.name
     k, rest = f.stem.split("-", 1)
     s, t = rest.rsplit("-T", 1)
     tau = lambda p: json.loads(p.read_text()).get("tau") if p.exists() else None
     a, b = tau(old), tau(f)
     print(f"| {k} | {s} | {t} | {a if a is None else round(a, 3)} | {b if b is None else round(b, 3)} |")
+    if a is not None and b is not None:
+        macro.setdefault((k, t), []).append((a, b))
+for (k, t), pairs in sorted(macro.items()):
+    a, b = (sum(x) / len(pairs) for x in zip(*pairs))
+    print(f"| {k} | macro ({len(pairs)} sets) | {t} | {a:.3f} | {b:.3f} ({b / a - 1:+.1%}) |")
 EOF
 say "done"
