@@ -6,7 +6,8 @@
 #      (STEPS at lr 3e-4; each run resumes from its own checkpoints);
 #   3. the held-out eval of both candidates (the `make eval` protocol: 12 prompts per set, γ = 7,
 #      greedy and T = 1, verified on the ORT target engine);
-#   4. a table of τ per cell, candidate against the shipped drafter's docs/acceptance/evals.
+#   4. a table of τ per cell, candidate against the shipped drafter's docs/acceptance/evals, and
+#      the paired bootstrap of the ratio (`python -m dspark.perf.eval_compare`).
 # It ships nothing: copy OUT/K/ to drafters/K/ only when it wins (one shipped update per
 # improvement), then `make engines` and the bench cells (issue 12, item 8).
 #
@@ -80,4 +81,6 @@ for (k, t), pairs in sorted(macro.items()):
     a, b = (sum(x) / len(pairs) for x in zip(*pairs))
     print(f"| {k} | macro ({len(pairs)} sets) | {t} | {a:.3f} | {b:.3f} ({b / a - 1:+.1%}) |")
 EOF
+say "paired bootstrap over the eval prompts (dspark.perf.eval_compare)"
+"$PY" -m dspark.perf.eval_compare --a "$base" --b "$OUT/evals"
 say "done"
