@@ -46,9 +46,22 @@ def add_parsers(sub) -> None:
     dd.add_argument(
         "--pools",
         default="original",
-        choices=["original", "all"],
         help="original: the three first pools; all: every pool in train_prompts, balanced over "
-        "math / code / chat",
+        "math / code / chat; or pool names, comma-separated (e.g. arena-hard-v2)",
+    )
+    dd.add_argument(
+        "--extra-samples",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then N more answers per prompt of --pools (keys POOL/INDEX~K, their own seeds), drawn at "
+        "--extra-temperature: more data where a pool has run out of prompts",
+    )
+    dd.add_argument(
+        "--extra-temperature",
+        type=float,
+        default=1.0,
+        help="temperature of the extra answers (top-p 1: the target's own distribution at T = 1)",
     )
     dd.add_argument(
         "--snapshot",
@@ -142,6 +155,9 @@ def cmd_data(args: argparse.Namespace) -> int:
         per_pool = ", ".join(f"{p} {n}" for p, n in sorted(counts.items(), key=lambda kv: -kv[1]))
         print(f"[data] {sum(counts.values())} answers ({per_pool}) → {args.snapshot} ({size:.2f} MB)")
         return 0
+    if args.extra_samples < 0 or not 0 < args.extra_temperature <= 2:
+        print("error: --extra-samples must be ≥ 0 and --extra-temperature in (0, 2]", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     src = shared_dir() / "data" / "train_prompts"
     missing = [p for p in TRAIN_POOLS if not (src / f"{p}.jsonl").exists()]
@@ -149,10 +165,19 @@ def cmd_data(args: argparse.Namespace) -> int:
         print(f"error: training prompts {missing} not found in {src} (set DSPARK_SHARED)", file=sys.stderr)
         return 2
     prompts = interleave([read_prompts(src / f"{p}.jsonl") for p in TRAIN_POOLS])
-    if args.pools == "all":
+    if args.pools != "original":
         from dspark.training.data import LARGE_POOLS, balanced
 
-        pools = [p for p in (*TRAIN_POOLS, *LARGE_POOLS) if (src / f"{p}.jsonl").exists()]
+        known = [p for p in (*TRAIN_POOLS, *LARGE_POOLS) if (src / f"{p}.jsonl").exists()]
+        pools = known if args.pools == "all" else [p.strip() for p in args.pools.split(",") if p.strip()]
+        unknown = [p for p in pools if p not in known]
+        if unknown or not pools:
+            print(
+                f"error: --pools {args.pools!r}: unknown pools {unknown}; use original, all or names from "
+                f"{', '.join(known)}",
+                file=sys.stderr,
+            )
+            return 2
         prompts = balanced([q for p in pools for q in read_prompts(src / f"{p}.jsonl")])
     loaded = load_target(args.target)
     if args.references:
@@ -186,10 +211,7 @@ def cmd_data(args: argparse.Namespace) -> int:
             return 2
         max_len = args.max_prompt_tokens + args.max_new_tokens + 1
         runner = OrtTargetRunner(session(onnx, args.threads), loaded.model.cfg, args.batch, max_len)
-    regenerate(
-        loaded,
-        prompts,
-        Path(args.out),
+    common = dict(
         cache_dir=Path(args.cache) if args.cache else None,
         batch=args.batch,
         max_new_tokens=args.max_new_tokens,
@@ -197,6 +219,15 @@ def cmd_data(args: argparse.Namespace) -> int:
         limit=args.limit,
         runner=runner,
     )
+    regenerate(loaded, prompts, Path(args.out), **common)
+    if args.extra_samples:
+        from dspark.core.sampling import SamplingParams
+        from dspark.training.data import extra_samples
+
+        extra = extra_samples(prompts, args.extra_samples)
+        print(f"[data] {args.extra_samples} extra answers per prompt at T={args.extra_temperature}")
+        params = SamplingParams(temperature=args.extra_temperature, top_p=1.0)
+        regenerate(loaded, extra, Path(args.out), params=params, **common)
     return 0
 
 

@@ -40,19 +40,43 @@ POOL_DOMAIN = {
 }
 
 
+# A prompt's extra answers (`dspark data --extra-samples`) are keyed `pool/index~k`, k ≥ 1; the
+# first answer keeps the plain `pool/index` key every earlier snapshot uses.
+SAMPLE_SEP = "~"
+
+
 @dataclass(frozen=True)
 class Prompt:
     pool: str
     index: int
     text: str
+    sample: int = 0  # 0: the prompt's answer; k ≥ 1: its k-th extra answer (another seed)
 
     @property
     def key(self) -> str:
-        return f"{self.pool}/{self.index}"
+        base = f"{self.pool}/{self.index}"
+        return base if self.sample == 0 else f"{base}{SAMPLE_SEP}{self.sample}"
 
     @property
     def seed(self) -> int:
         return int.from_bytes(hashlib.sha256(self.key.encode()).digest()[:4], "little")
+
+
+def prompt_key(key: str) -> str:
+    """The prompt an answer key belongs to (`pool/index~2` → `pool/index`): held-out splits go
+    by prompt, so a prompt's extra answers never straddle training and held out."""
+    return key.split(SAMPLE_SEP, 1)[0]
+
+
+def cache_file(cache_dir: Path, record: dict) -> Path:
+    """Where an answer record's target cache lives: POOL-INDEX.npz, POOL-INDEX~K.npz for extras."""
+    k = record.get("sample", 0)
+    return cache_dir / f"{record['pool']}-{record['index']}{f'{SAMPLE_SEP}{k}' if k else ''}.npz"
+
+
+def extra_samples(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """n more answers per prompt: every prompt's first extra, then every prompt's second, …"""
+    return [Prompt(p.pool, p.index, p.text, k) for k in range(1, n + 1) for p in prompts]
 
 
 def read_prompts(path: Path, pool: str | None = None) -> list[Prompt]:
@@ -238,8 +262,6 @@ def regenerate(
                     s.out.append(int(sample(warp(step.logits[r, 0], params), uniforms(s.gen, 1)[0])))
                 n_tokens += len(running)
             for s in [s for s in active if s.out[-1] in stop or len(s.out) >= max_new_tokens]:
-                if cache_dir is not None:
-                    _save_sample(cache_dir / f"{s.prompt.pool}-{s.prompt.index}.npz", s)
                 rec = {
                     "key": s.prompt.key,
                     "pool": s.prompt.pool,
@@ -249,6 +271,10 @@ def regenerate(
                     "answer": loaded.decode(s.out),
                     "finish": "stop" if s.out[-1] in stop else "length",
                 }
+                if s.prompt.sample:  # an extra answer says how it was drawn
+                    rec.update(sample=s.prompt.sample, temperature=params.temperature, top_p=params.top_p)
+                if cache_dir is not None:
+                    _save_sample(cache_file(cache_dir, rec), s)
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
                 runner.release(s.slot)
@@ -288,9 +314,7 @@ def build_cache(
     from tqdm import tqdm
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    todo = [
-        a for a in read_answers(answers_path) if not (cache_dir / f"{a['pool']}-{a['index']}.npz").exists()
-    ]
+    todo = [a for a in read_answers(answers_path) if not cache_file(cache_dir, a).exists()]
     if reverse:
         todo.reverse()
     runner = TargetRunner(
@@ -300,7 +324,7 @@ def build_cache(
     )
     written = 0
     for a in tqdm(todo, unit="sample", dynamic_ncols=True, mininterval=10):
-        dest = cache_dir / f"{a['pool']}-{a['index']}.npz"
+        dest = cache_file(cache_dir, a)
         if dest.exists():  # another builder on the same cache got there first
             continue
         tokens = a["prompt_ids"] + a["answer_ids"]

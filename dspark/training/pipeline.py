@@ -19,7 +19,7 @@ from dspark.core.calibration import STS
 from dspark.models.block_drafter import BlockDrafter, DrafterConfig
 from dspark.models.loading import LoadedTarget
 from dspark.paths import REPO
-from dspark.training.data import read_answers
+from dspark.training.data import cache_file, prompt_key, read_answers
 from dspark.training.train import TrainConfig, build_draft_vocab, train
 
 SHIPPED = REPO / "drafters"
@@ -27,7 +27,8 @@ HOLDOUT_PERCENT = 5  # training prompts kept out of training, for STS rollouts
 
 
 def is_holdout(key: str) -> bool:
-    return int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100 < HOLDOUT_PERCENT
+    """Held out by prompt: a prompt's extra answers (`pool/index~k`) go where its first one goes."""
+    return int(hashlib.sha256(prompt_key(key).encode()).hexdigest(), 16) % 100 < HOLDOUT_PERCENT
 
 
 def split_cache(records, cache_dir: Path | None) -> tuple[list[Path], list[dict], list[list[int]]]:
@@ -37,10 +38,11 @@ def split_cache(records, cache_dir: Path | None) -> tuple[list[Path], list[dict]
     files, held, tokens = [], [], []
     for a in records:
         if is_holdout(a["key"]):
-            held.append(a)
+            if not a.get("sample"):  # one record per held-out prompt (its STS rollouts)
+                held.append(a)
             continue
         tokens.append(a["answer_ids"])
-        f = cache_dir / f"{a['pool']}-{a['index']}.npz" if cache_dir is not None else None
+        f = cache_file(cache_dir, a) if cache_dir is not None else None
         if f is not None and f.exists():
             files.append(f)
     return files, held, tokens

@@ -126,3 +126,63 @@ def test_snapshot_keeps_the_complete_answers_of_a_running_job(tmp_path):
     assert write_snapshot(answers, dest) == {"gsm8k-train": 3, "codealpaca": 1}
     assert list(read_answers(dest)) == done
     assert not list(dest.parent.glob("*.tmp"))
+
+
+def test_extra_answers_have_their_own_keys_seeds_cache_and_sampling(tmp_path):
+    """`dspark data --extra-samples`: a prompt's k-th extra answer is keyed pool/index~k, drawn
+    with its own seed at the given sampling, cached beside the first answer (never over it),
+    resumable like the first pass, and its cache equals a rebuild from the answers."""
+    from dspark.core.sampling import SamplingParams
+    from dspark.training.data import build_cache, cache_file, extra_samples
+
+    loaded = _loaded()
+    out, live = tmp_path / "a.jsonl", tmp_path / "live"
+    regenerate(loaded, PROMPTS[:3], out, cache_dir=live, batch=2, max_new_tokens=10)
+    extra = extra_samples(PROMPTS[:3], 2)
+    assert [p.key for p in extra[:4]] == ["pool/0~1", "pool/1~1", "pool/2~1", "pool/0~2"]
+    t1 = SamplingParams(temperature=1.0)
+    regenerate(loaded, extra, out, cache_dir=live, batch=2, max_new_tokens=10, params=t1, limit=5)
+    regenerate(loaded, extra, out, cache_dir=live, batch=2, max_new_tokens=10, params=t1)  # resumes
+    recs = {a["key"]: a for a in read_answers(out)}
+    assert len(recs) == 9 and len(list(live.glob("*.npz"))) == 9
+    first, second = recs["pool/1"], recs["pool/1~1"]
+    assert "sample" not in first and (second["sample"], second["temperature"], second["top_p"]) == (
+        1,
+        1.0,
+        1.0,
+    )
+    assert first["prompt_ids"] == second["prompt_ids"]
+    assert len({tuple(recs[f"pool/1{k}"]["answer_ids"]) for k in ("", "~1", "~2")}) > 1  # other seeds
+    assert cache_file(live, second).name == "pool-1~1.npz" and cache_file(live, first).name == "pool-1.npz"
+    assert build_cache(loaded, out, tmp_path / "rebuilt") == 9
+    for a in recs.values():
+        z, r = np.load(cache_file(live, a)), np.load(cache_file(tmp_path / "rebuilt", a))
+        assert z["tokens"].tolist() == r["tokens"].tolist() == a["prompt_ids"] + a["answer_ids"]
+
+
+def test_a_prompts_extra_answers_are_held_out_with_it():
+    """The held-out split goes by prompt: pool/index~k lands where pool/index does; a held-out
+    prompt keeps one record (its STS rollouts), its extras are neither trained on nor repeated."""
+    from dspark.training.pipeline import is_holdout, split_cache
+
+    keys = [f"pool/{i}" for i in range(400)]
+    held = [k for k in keys if is_holdout(k)]
+    assert 0 < len(held) < 100
+    assert all(is_holdout(f"{k}~{s}") == is_holdout(k) for k in keys for s in (1, 7))
+    recs = [{"key": k, "pool": "pool", "index": i, "answer_ids": [i]} for i, k in enumerate(keys)]
+    recs += [dict(r, key=r["key"] + "~1", sample=1) for r in recs]
+    files, held_recs, tokens = split_cache(recs, None)
+    assert [r["key"] for r in held_recs] == held
+    assert len(tokens) == 2 * (len(keys) - len(held)) and files == []
+
+
+def test_data_names_a_bad_pool_or_extra_setting_before_loading_anything(tmp_path, capsys):
+    from dspark.cli import main
+
+    out = str(tmp_path / "a.jsonl")
+    assert main(["data", "--pools", "arena-hard-v2,no-such-pool", "--out", out]) == 2
+    assert "no-such-pool" in capsys.readouterr().err
+    assert main(["data", "--pools", "arena-hard-v2", "--extra-samples", "-1", "--out", out]) == 2
+    assert main(["data", "--pools", "all", "--extra-temperature", "0", "--out", out]) == 2
+    assert "--extra-temperature" in capsys.readouterr().err
+    assert not (tmp_path / "a.jsonl").exists()
