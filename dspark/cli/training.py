@@ -110,7 +110,11 @@ def add_parsers(sub) -> None:
     t.add_argument("--ref-cache", default="artifacts/cache-ref", help="its target cache")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary size")
-    t.add_argument("--layers", type=int, default=None, help="draft layers (default 2; eagle3: 1)")
+    t.add_argument(
+        "--layers", type=int, default=None,
+        help="draft layers (default 2; eagle3: 1); with --init-from: deepen its drafter to this many, the "
+        "new layers on top starting as the identity (copies of its top layer, output projections at zero)",
+    )  # fmt: skip
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--ckpt-every", type=int, default=50)
     t.add_argument("--sts-prompts", type=int, default=40)

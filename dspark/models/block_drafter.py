@@ -241,6 +241,28 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         out.load_state_dict({**state, "draft_vocab": new}, strict=True)
         return out.to(next(self.parameters()).dtype)
 
+    def deepened(self, num_layers: int) -> BlockDrafter:
+        """This drafter with more draft layers (issue 12, item 5: capacity), for continued
+        training: the new layers go on top, each a copy of the top layer with its two output
+        projections (attention o_proj, MLP down_proj) at zero, so that it starts as the identity
+        on the residual stream and the deeper drafter computes exactly what this one did
+        (`attach` again after this)."""
+        n = self.cfg.num_layers
+        if num_layers < n:
+            raise ValueError(f"a drafter of {n} draft layers cannot be deepened to {num_layers}")
+        dtype = next(self.parameters()).dtype
+        out = BlockDrafter(replace(self.cfg, num_layers=num_layers), self.draft_vocab).to(dtype)
+        state = {k: v.clone() for k, v in self.state_dict().items()}
+        top = f"layers.{n - 1}."
+        for i in range(n, num_layers):
+            for k, v in self.state_dict().items():
+                if k.startswith(top):
+                    name = k[len(top) :]
+                    zero = name.startswith(("o_proj.", "mlp.down_proj."))
+                    state[f"layers.{i}.{name}"] = torch.zeros_like(v) if zero else v.clone()
+        out.load_state_dict(state, strict=True)  # in this drafter's dtype: the copies are exact
+        return out
+
     # -- parallel stage ----------------------------------------------------------------------
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:

@@ -191,6 +191,12 @@ def run_training(
             vocab, _ = build_draft_vocab(token_lists, grow_vocab, must_include=keep)
             print(f"[train] growing the draft vocabulary {len(model.draft_vocab)} → {len(vocab)}", flush=True)
             model = model.grown(vocab).attach(embed, loaded.model.lm_head.weight)
+        now = getattr(model.cfg, "num_layers", None)
+        if num_layers is not None and num_layers != now:  # deepen (item 5: capacity)
+            if not isinstance(model, BlockDrafter):
+                raise ValueError(f"--layers with --init-from deepens dspark and dflash drafters, not {kind}")
+            print(f"[train] deepening the drafter {now} → {num_layers} draft layers", flush=True)
+            model = model.deepened(num_layers).attach(embed, loaded.model.lm_head.weight)
         coverage = _coverage(token_lists, vocab)
     else:
         vocab, coverage = build_draft_vocab(token_lists, vocab_size, must_include=sorted(loaded.stop_ids))

@@ -115,3 +115,65 @@ def test_training_continues_with_a_grown_vocabulary_and_resumes(tmp_path):
     split = _run(loaded, tmp_path, "split", steps=4, **grow)  # resumed: same shapes, same result
     for p, q in zip(whole["model"].parameters(), split["model"].parameters()):
         assert torch.allclose(p, q, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", None)])
+def test_a_deepened_drafter_computes_what_it_did(kind, head):
+    """Item 5 (capacity): new draft layers on top start as the identity, so the deeper drafter's
+    backbone, head and confidences equal the old ones; its new layers are copies of the top
+    one with the two output projections at zero, and they can learn (non-zero gradients)."""
+    from tests.conftest import tiny_target
+    from tests.unit.test_block_drafter import _ctx, _drafter
+
+    target = tiny_target()
+    m = _drafter(kind=kind, head=head or "markov", target=target)
+    with torch.no_grad():  # a top layer whose output projections are not zero, as a trained one's
+        for p in m.layers[-1].parameters():
+            p.normal_(0, 0.1)
+    d = m.deepened(4).attach(target.model.embed_tokens.weight, target.lm_head.weight)
+    assert d.cfg.num_layers == 4 and len(d.layers) == 4
+    assert torch.equal(d.layers[3].q_proj.weight, m.layers[1].q_proj.weight)
+    assert not d.layers[2].o_proj.weight.any() and not d.layers[3].mlp.down_proj.weight.any()
+    anchors, p0 = torch.tensor([5, 9]), torch.tensor([6, 9])
+    ok = torch.arange(12).unsqueeze(0) < p0.unsqueeze(1)
+    U, h = m.backbone(anchors, p0, _ctx(m)[1], ok)
+    U2, h2 = d.backbone(anchors, p0, _ctx(d)[1], ok)
+    assert torch.allclose(U2, U, atol=1e-12) and torch.allclose(h2, h, atol=1e-12)
+    prev = torch.tensor([[4, 2, 8, 6], [0, 2, 10, 4]])
+    z, conf = m.teacher_forced(U, h, m.to_draft[prev])
+    z2, conf2 = d.teacher_forced(U2, h2, d.to_draft[prev])
+    assert torch.allclose(z2, z, atol=1e-12) and torch.allclose(conf2, conf, atol=1e-12)
+    U2.square().sum().backward()
+    assert (
+        d.layers[3].o_proj.weight.grad.abs().sum() > 0
+        and d.layers[3].mlp.down_proj.weight.grad.abs().sum() > 0
+    )
+    with pytest.raises(ValueError, match="cannot be deepened"):
+        m.deepened(1)
+
+
+def test_training_continues_deeper_and_resumes(tmp_path):
+    loaded, _ = _tiny_cache(tmp_path, n=8, max_new=16)
+    first = _run(loaded, tmp_path, "run1", steps=2)  # one draft layer
+    first["model"].save(tmp_path / "ship1", extra={"summary": {"steps": 2}})
+
+    def deeper(out, steps, until=None):
+        tc = TrainConfig(steps=steps, seqs_per_step=2, anchors_per_seq=8, lr=1e-3, log_every=2, ckpt_every=2)
+        return run_training(
+            loaded, "dspark", tmp_path / "a.jsonl", tmp_path / "cache", tmp_path / out, tc,
+            vocab_size=64, num_layers=3, until=until, init_from=tmp_path / "ship1",
+        )  # fmt: skip
+
+    start = deeper("zero", 2, until=0)["model"]  # before any step: what the shipped drafter computes
+    assert start.cfg.num_layers == 3 and not start.layers[2].o_proj.weight.any()
+    whole = deeper("whole", 4)
+    assert whole["model"].cfg.num_layers == 3 and whole["summary"]["total_steps"] == 6
+    assert whole["model"].layers[2].o_proj.weight.any()  # the new layer trained
+    deeper("split", 4, until=2)
+    split = deeper("split", 4)  # resumed from its checkpoint: same shapes, same result
+    for p, q in zip(whole["model"].parameters(), split["model"].parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+    shipped = tmp_path / "ship2"
+    whole["model"].save(shipped, extra={"summary": {"steps": 4}})
+    again, _ = load_drafter(str(shipped), loaded)
+    assert again.cfg.num_layers == 3
