@@ -49,7 +49,9 @@ def load_cell(path: Path) -> Cell:
 
 
 def paired_cells(a_dir: Path, b_dir: Path, drafter: str) -> dict[tuple[str, int], tuple[Cell, Cell]]:
-    """Cells (set, T) present in both folders, cut to the prompts both decoded."""
+    """Cells (set, T) present in both folders. Both must have decoded the same prompts: `dspark
+    eval --limit N` takes a seeded subset of N in file order, so evals with different limits hold
+    different prompts at the same request index (and other T = 1 seeds): refused, not cut."""
     out = {}
     for s in SETS:
         for t in (0, 1):
@@ -57,8 +59,12 @@ def paired_cells(a_dir: Path, b_dir: Path, drafter: str) -> dict[tuple[str, int]
             if not ((a_dir / name).exists() and (b_dir / name).exists()):
                 continue
             a, b = load_cell(a_dir / name), load_cell(b_dir / name)
-            p = min(len(a.rounds), len(b.rounds))
-            out[(s, t)] = (Cell(a.committed[:p], a.rounds[:p]), Cell(b.committed[:p], b.rounds[:p]))
+            if len(a.rounds) != len(b.rounds):
+                raise ValueError(
+                    f"{name}: {len(a.rounds)} prompts in {a_dir}, {len(b.rounds)} in {b_dir}: not the same "
+                    "prompts; evaluate both with the same `dspark eval --limit`"
+                )
+            out[(s, t)] = (a, b)
     return out
 
 
@@ -116,7 +122,10 @@ def main() -> None:
     ap.add_argument("--boot", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    print(report(Path(args.a), Path(args.b), args.drafters.split(","), args.boot, args.seed))
+    try:
+        print(report(Path(args.a), Path(args.b), args.drafters.split(","), args.boot, args.seed))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -65,10 +65,12 @@ def test_a_better_drafter_wins_and_the_draws_are_paired(tmp_path: Path) -> None:
     assert r[0] == pytest.approx(brute)
 
 
-def test_only_the_prompts_both_decoded_are_compared(tmp_path: Path) -> None:
+def test_evals_of_different_prompt_subsets_are_refused_and_missing_cells_named(tmp_path: Path) -> None:
+    # `--limit 12` and `--limit 24` hold different prompts at the same request index
     write_rounds(tmp_path / "a", "dflash-humaneval-T0.rounds.npz", [[1, 1], [3]])
     write_rounds(tmp_path / "b", "dflash-humaneval-T0.rounds.npz", [[1, 1], [3], [6, 6, 6]])
-    ((a, b),) = paired_cells(tmp_path / "a", tmp_path / "b", "dflash").values()
-    assert len(a.rounds) == len(b.rounds) == 2 and a.tau == b.tau
+    with pytest.raises(ValueError, match="same `dspark eval --limit`"):
+        paired_cells(tmp_path / "a", tmp_path / "b", "dflash")
+    write_rounds(tmp_path / "b", "dflash-humaneval-T0.rounds.npz", [[1, 2], [3]])
     text = report(tmp_path / "a", tmp_path / "b", ["dflash", "dspark"], boot=50, seed=0)
     assert "| dflash | humaneval T=0 | 2 |" in text and "| dspark | no cell in both folders" in text
