@@ -2,9 +2,9 @@
 # Issue 12's next training stage in one background command, resumable at every step:
 #   1. the target cache for every answer in artifacts/data/answers.jsonl (two cooperating
 #      builders on one folder, one thread each: one from the start, one from the end);
-#   2. DSpark and DFlash continued from the shipped drafters, side by side, one thread each
+#   2. DSpark and DFlash (KINDS) continued from the shipped drafters, side by side, one thread each
 #      (STEPS at lr 3e-4; each run resumes from its own checkpoints);
-#   3. the held-out eval of both candidates (the `make eval` protocol: 12 prompts per set, γ = 7,
+#   3. the held-out eval of the candidates (the `make eval` protocol: 24 prompts per set, γ = 7,
 #      greedy and T = 1, verified on the ORT target engine);
 #   4. a table of τ per cell, candidate against the shipped drafter's docs/acceptance/evals, and
 #      the paired bootstrap of the ratio (`python -m dspark.perf.eval_compare`).
@@ -14,8 +14,10 @@
 #   nohup bash scripts/next_stage.sh > artifacts/next-stage.log 2>&1 &
 # Settings: STEPS (800), OUT (artifacts/next), PY (.venv/bin/python), SHARED (../shared),
 # GROW (empty: keep the shipped draft vocabulary; N: grow it to N tokens, `dspark train --grow-vocab`),
-# LIMIT (12: prompts per eval set, `make eval`'s protocol; any other value also evaluates the shipped
-# drafters on the same prompts, into OUT/evals-shipped, and the table compares against those).
+# LIMIT (24: prompts per eval set, `make eval`'s protocol since session 18; any other value also
+# evaluates the shipped drafters on the same prompts, into OUT/evals-shipped, and the table compares
+# against those), KINDS ("dspark dflash"), LAYERS (empty: keep the draft layers; N: deepen to N,
+# `dspark train --layers N --init-from`, issue 12 item 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -23,7 +25,9 @@ STEPS=${STEPS:-800}
 OUT=${OUT:-artifacts/next}
 SHARED=${SHARED:-../shared}
 GROW=${GROW:-}
-LIMIT=${LIMIT:-12}
+LIMIT=${LIMIT:-24}
+KINDS=${KINDS:-dspark dflash}
+LAYERS=${LAYERS:-}
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT/evals"
 say() { echo "[next-stage $(date -u +%H:%M:%S)] $*"; }
@@ -33,14 +37,14 @@ say "answers: $(wc -l < artifacts/data/answers.jsonl); building the target cache
 "$PY" -m dspark.cli data --no-generate --threads 1 --reverse > "$OUT/cache-b.log" 2>&1 &
 wait
 
-say "training dspark and dflash ($STEPS steps each, side by side)"
-for k in dspark dflash; do
+say "training $KINDS ($STEPS steps each, side by side${LAYERS:+, $LAYERS draft layers})"
+for k in $KINDS; do
   "$PY" -m dspark.cli train --kind "$k" --init-from "drafters/$k" --steps "$STEPS" --lr 3e-4 \
-    --threads 1 --out "$OUT/runs/$k" --ship "$OUT/$k" ${GROW:+--grow-vocab "$GROW"} > "$OUT/train-$k.log" 2>&1 &
+    --threads 1 --out "$OUT/runs/$k" --ship "$OUT/$k" ${GROW:+--grow-vocab "$GROW"} ${LAYERS:+--layers "$LAYERS"} > "$OUT/train-$k.log" 2>&1 &
 done
 wait
 
-say "held-out eval of both candidates ($LIMIT prompts per set)"
+say "held-out eval of the candidates ($LIMIT prompts per set)"
 engines=$([ -f build/engines/target.opt.onnx ] && echo "--engines build/engines" || true)
 evaluate() {  # drafter folder, output folder
   for s in gsm8k-test humaneval mt-bench; do for t in 0 1; do
@@ -52,8 +56,8 @@ evaluate() {  # drafter folder, output folder
   done; done
 }
 base=docs/acceptance/evals
-if [ "$LIMIT" != 12 ]; then base="$OUT/evals-shipped"; mkdir -p "$base"; fi
-for k in dspark dflash; do
+if [ "$LIMIT" != 24 ]; then base="$OUT/evals-shipped"; mkdir -p "$base"; fi
+for k in $KINDS; do
   (evaluate "$OUT/$k" "$OUT/evals"
    [ "$base" = docs/acceptance/evals ] || evaluate "drafters/$k" "$base") > "$OUT/eval-$k.log" 2>&1 &
 done
@@ -82,5 +86,5 @@ for (k, t), pairs in sorted(macro.items()):
     print(f"| {k} | macro ({len(pairs)} sets) | {t} | {a:.3f} | {b:.3f} ({b / a - 1:+.1%}) |")
 EOF
 say "paired bootstrap over the eval prompts (dspark.perf.eval_compare)"
-"$PY" -m dspark.perf.eval_compare --a "$base" --b "$OUT/evals"
+"$PY" -m dspark.perf.eval_compare --a "$base" --b "$OUT/evals" --drafters "${KINDS// /,}"
 say "done"
