@@ -6,8 +6,8 @@
 #      (STEPS at lr 3e-4; each run resumes from its own checkpoints);
 #   3. the held-out eval of the candidates (the `make eval` protocol: 24 prompts per set, γ = 7,
 #      greedy and T = 1, verified on the ORT target engine);
-#   4. a table of τ per cell, candidate against the shipped drafter's docs/acceptance/evals, and
-#      the paired bootstrap of the ratio (`python -m dspark.perf.eval_compare`).
+#   4. τ per cell, candidate against the shipped drafter's docs/acceptance/evals, and the paired
+#      bootstrap of the ratio (`python -m dspark.perf.eval_compare`).
 # It ships nothing: copy OUT/K/ to drafters/K/ only when it wins (one shipped update per
 # improvement), then `make engines` and the bench cells (issue 12, item 8).
 #
@@ -63,28 +63,6 @@ for k in $KINDS; do
 done
 wait
 
-say "τ per cell: shipped → candidate"
-"$PY" - "$OUT/evals" "$base" <<'EOF'
-import json, sys
-from pathlib import Path
-
-new = Path(sys.argv[1])
-print("| drafter | set | T | shipped τ | candidate τ |")
-print("|---|---|---|---|---|")
-macro = {}
-for f in sorted(new.glob("*.json")):
-    old = Path(sys.argv[2]) / f.name
-    k, rest = f.stem.split("-", 1)
-    s, t = rest.rsplit("-T", 1)
-    tau = lambda p: json.loads(p.read_text()).get("tau") if p.exists() else None
-    a, b = tau(old), tau(f)
-    print(f"| {k} | {s} | {t} | {a if a is None else round(a, 3)} | {b if b is None else round(b, 3)} |")
-    if a is not None and b is not None:
-        macro.setdefault((k, t), []).append((a, b))
-for (k, t), pairs in sorted(macro.items()):
-    a, b = (sum(x) / len(pairs) for x in zip(*pairs))
-    print(f"| {k} | macro ({len(pairs)} sets) | {t} | {a:.3f} | {b:.3f} ({b / a - 1:+.1%}) |")
-EOF
-say "paired bootstrap over the eval prompts (dspark.perf.eval_compare)"
+say "τ per cell, shipped → candidate, and the paired bootstrap (dspark.perf.eval_compare)"
 "$PY" -m dspark.perf.eval_compare --a "$base" --b "$OUT/evals" --drafters "${KINDS// /,}"
 say "done"

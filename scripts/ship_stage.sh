@@ -22,7 +22,7 @@ done
 for k in dspark dflash; do
   cp "$OUT/$k/drafter.json" "$OUT/$k/drafter.safetensors" "drafters/$k/"
   for f in "$OUT/evals/$k"-*.json; do
-    cp "${f%.json}.rounds.npz" docs/acceptance/evals/ 2>/dev/null || true
+    cp "${f%.json}.rounds.npz" docs/acceptance/evals/  # the per-round arrays go with their JSON
     "$PY" - "$f" "docs/acceptance/evals/$(basename "$f")" "$k" "$OUT/$k (the same files were then copied to drafters/, $WHEN)" <<'PYEOF'
 import json, sys
 src, dest, kind, note = sys.argv[1:]

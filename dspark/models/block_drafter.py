@@ -252,14 +252,13 @@ class BlockDrafter(DraftModelMixin, nn.Module):
             raise ValueError(f"a drafter of {n} draft layers cannot be deepened to {num_layers}")
         dtype = next(self.parameters()).dtype
         out = BlockDrafter(replace(self.cfg, num_layers=num_layers), self.draft_vocab).to(dtype)
-        state = {k: v.clone() for k, v in self.state_dict().items()}
+        state = self.state_dict()  # load_state_dict copies: no clones needed
         top = f"layers.{n - 1}."
+        block = {k[len(top) :]: v for k, v in state.items() if k.startswith(top)}
         for i in range(n, num_layers):
-            for k, v in self.state_dict().items():
-                if k.startswith(top):
-                    name = k[len(top) :]
-                    zero = name.startswith(("o_proj.", "mlp.down_proj."))
-                    state[f"layers.{i}.{name}"] = torch.zeros_like(v) if zero else v.clone()
+            for name, v in block.items():
+                zero = name.startswith(("o_proj.", "mlp.down_proj."))
+                state[f"layers.{i}.{name}"] = torch.zeros_like(v) if zero else v
         out.load_state_dict(state, strict=True)  # in this drafter's dtype: the copies are exact
         return out
 

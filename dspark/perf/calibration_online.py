@@ -32,9 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from dspark.core.calibration import PRED_CLIP, STS, calibration_report, ece_rows, prefix_labels, sigmoid
+from dspark.prompts import EVAL_SETS
 from dspark.training.pipeline import load_drafter_meta
 
-SETS = ("gsm8k-test", "humaneval", "mt-bench")
+SETS = tuple(EVAL_SETS)
 
 
 def split_requests(accepted: np.ndarray, budget: int) -> list[tuple[int, int]]:

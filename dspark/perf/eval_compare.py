@@ -1,8 +1,8 @@
 """Is a candidate drafter's held-out τ really higher? A paired bootstrap over the eval prompts.
 
 The ship rule of issue 12 compares τ per eval set of a candidate against the shipped drafter,
-measured on the same prompts (`dspark eval`, 12 per set by default). With a dozen prompts per
-set the macro τ moves by a few percent between neighbouring checkpoints, so a +2% candidate
+measured on the same prompts (`dspark eval`, 24 per set in `make eval`). With a few dozen prompts
+per set the macro τ moves by a few percent between neighbouring checkpoints, so a +2% candidate
 may be noise. This resamples prompts with replacement — the same draw for both drafters, since
 both decoded the same prompts (the `request` array of each .rounds.npz) — recomputes τ per cell
 (Σ(accepted + 1) / rounds over the drawn prompts' rounds), and reports the ratio candidate /
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-SETS = ("gsm8k-test", "humaneval", "mt-bench")
+from dspark.prompts import EVAL_SETS
+
+SETS = tuple(EVAL_SETS)
 
 
 @dataclass
