@@ -38,6 +38,12 @@ def add_parsers(sub) -> None:
         "--cache, one thread each, meets the first in the middle)",
     )
     dd.add_argument(
+        "--new-only",
+        action="store_true",
+        help="generate without first rebuilding the cache of the answers already there (new answers "
+        "still write theirs): generation side by side with a `--no-generate` cache builder",
+    )
+    dd.add_argument(
         "--engines",
         default=None,
         help="generate on the ONNX Runtime target engine of this build folder (make engines) "
@@ -113,7 +119,8 @@ def add_parsers(sub) -> None:
     t.add_argument(
         "--layers", type=int, default=None,
         help="draft layers (default 2; eagle3: 1); with --init-from: deepen its drafter to this many, the "
-        "new layers on top starting as the identity (copies of its top layer, output projections at zero)",
+        "new layers on top starting as the identity (copies of its top layer, output projections at zero), "
+        "or truncate it to its bottom N layers",
     )  # fmt: skip
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--ckpt-every", type=int, default=50)
@@ -159,6 +166,9 @@ def cmd_data(args: argparse.Namespace) -> int:
         per_pool = ", ".join(f"{p} {n}" for p, n in sorted(counts.items(), key=lambda kv: -kv[1]))
         print(f"[data] {sum(counts.values())} answers ({per_pool}) → {args.snapshot} ({size:.2f} MB)")
         return 0
+    if args.new_only and args.no_generate:
+        print("error: --new-only generates; --no-generate only rebuilds the cache", file=sys.stderr)
+        return 2
     if args.extra_samples < 0 or not 0 < args.extra_temperature <= 2:
         print("error: --extra-samples must be ≥ 0 and --extra-temperature in (0, 2]", file=sys.stderr)
         return 2
@@ -196,7 +206,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         with gzip.open(seed_from, "rb") as src_f, out.open("wb") as dst_f:
             shutil.copyfileobj(src_f, dst_f)
         print(f"[data] starting from the committed answers in {seed_from}")
-    if args.cache:
+    if args.cache and not args.new_only:
         from dspark.training.data import build_cache
 
         n = build_cache(loaded, out, Path(args.cache), reverse=args.reverse)

@@ -262,6 +262,21 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         out.load_state_dict(state, strict=True)  # in this drafter's dtype: the copies are exact
         return out
 
+    def truncated(self, num_layers: int) -> BlockDrafter:
+        """This drafter with only its bottom `num_layers` draft layers (issue 12, item 5: the
+        smaller end of the capacity sweep), for continued training: the top layers are dropped,
+        everything else (context projection, final norm, head, confidence) is kept as it is
+        (`attach` again after this). It does not compute what this one did; training mends it."""
+        n = self.cfg.num_layers
+        if not 1 <= num_layers <= n:
+            raise ValueError(f"a drafter of {n} draft layers cannot be truncated to {num_layers}")
+        dtype = next(self.parameters()).dtype
+        out = BlockDrafter(replace(self.cfg, num_layers=num_layers), self.draft_vocab).to(dtype)
+        drop = tuple(f"layers.{i}." for i in range(num_layers, n))
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith(drop)}
+        out.load_state_dict(state, strict=True)
+        return out
+
     # -- parallel stage ----------------------------------------------------------------------
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:

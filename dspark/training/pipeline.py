@@ -192,11 +192,13 @@ def run_training(
             print(f"[train] growing the draft vocabulary {len(model.draft_vocab)} → {len(vocab)}", flush=True)
             model = model.grown(vocab).attach(embed, loaded.model.lm_head.weight)
         now = getattr(model.cfg, "num_layers", None)
-        if num_layers is not None and num_layers != now:  # deepen (item 5: capacity)
+        if num_layers is not None and num_layers != now:  # deepen or truncate (item 5: capacity)
             if not isinstance(model, BlockDrafter):
-                raise ValueError(f"--layers with --init-from deepens dspark and dflash drafters, not {kind}")
-            print(f"[train] deepening the drafter {now} → {num_layers} draft layers", flush=True)
-            model = model.deepened(num_layers).attach(embed, loaded.model.lm_head.weight)
+                raise ValueError(f"--layers with --init-from: dspark and dflash drafters only, not {kind}")
+            how = "deepening" if num_layers > now else "truncating"
+            print(f"[train] {how} the drafter {now} → {num_layers} draft layers", flush=True)
+            changed = model.deepened(num_layers) if num_layers > now else model.truncated(num_layers)
+            model = changed.attach(embed, loaded.model.lm_head.weight)
         coverage = _coverage(token_lists, vocab)
     else:
         vocab, coverage = build_draft_vocab(token_lists, vocab_size, must_include=sorted(loaded.stop_ids))

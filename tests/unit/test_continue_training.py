@@ -177,3 +177,28 @@ def test_training_continues_deeper_and_resumes(tmp_path):
     whole["model"].save(shipped, extra={"summary": {"steps": 4}})
     again, _ = load_drafter(str(shipped), loaded)
     assert again.cfg.num_layers == 3
+    shallow = run_training(  # the other way (the small end of item 5): keep its bottom layer
+        loaded, "dspark", tmp_path / "a.jsonl", tmp_path / "cache", tmp_path / "shallow",
+        TrainConfig(steps=2, seqs_per_step=2, anchors_per_seq=8, lr=1e-3, log_every=2, ckpt_every=2),
+        vocab_size=64, num_layers=1, init_from=shipped,
+    )["model"]  # fmt: skip
+    assert shallow.cfg.num_layers == 1 and len(shallow.layers) == 1
+
+
+def test_a_truncated_drafter_keeps_its_bottom_layers():
+    from tests.conftest import tiny_target
+    from tests.unit.test_block_drafter import _drafter
+
+    target = tiny_target()
+    m = _drafter(target=target)
+    t = m.truncated(1).attach(target.model.embed_tokens.weight, target.lm_head.weight)
+    assert t.cfg.num_layers == 1 and len(t.layers) == 1
+    kept = dict(t.named_parameters())
+    for name, p in m.named_parameters():
+        if name.startswith("layers.1."):
+            assert name not in kept
+        else:
+            assert torch.equal(kept[name], p), name
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="cannot be truncated"):
+            m.truncated(bad)

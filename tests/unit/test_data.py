@@ -185,4 +185,6 @@ def test_data_names_a_bad_pool_or_extra_setting_before_loading_anything(tmp_path
     assert main(["data", "--pools", "arena-hard-v2", "--extra-samples", "-1", "--out", out]) == 2
     assert main(["data", "--pools", "all", "--extra-temperature", "0", "--out", out]) == 2
     assert "--extra-temperature" in capsys.readouterr().err
+    assert main(["data", "--new-only", "--no-generate", "--out", out]) == 2
+    assert "--new-only" in capsys.readouterr().err
     assert not (tmp_path / "a.jsonl").exists()
