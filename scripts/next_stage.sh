@@ -17,7 +17,9 @@
 # LIMIT (24: prompts per eval set, `make eval`'s protocol since session 18; any other value also
 # evaluates the shipped drafters on the same prompts, into OUT/evals-shipped, and the table compares
 # against those), KINDS ("dspark dflash"), LAYERS (empty: keep the draft layers; N: deepen to N,
-# `dspark train --layers N --init-from`, issue 12 item 5).
+# `dspark train --layers N --init-from`, issue 12 item 5: deeper or shallower), CACHE (build: finish
+# the target cache first; skip: train on the answers cached so far, e.g. a fresh machine's partial
+# cache, where rebuilding all of it costs ~1.7 h of both cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -28,14 +30,19 @@ GROW=${GROW:-}
 LIMIT=${LIMIT:-24}
 KINDS=${KINDS:-dspark dflash}
 LAYERS=${LAYERS:-}
+CACHE=${CACHE:-build}
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT/evals"
 say() { echo "[next-stage $(date -u +%H:%M:%S)] $*"; }
 
-say "answers: $(wc -l < artifacts/data/answers.jsonl); building the target cache (2 builders)"
-"$PY" -m dspark.cli data --no-generate --threads 1 > "$OUT/cache-a.log" 2>&1 &
-"$PY" -m dspark.cli data --no-generate --threads 1 --reverse > "$OUT/cache-b.log" 2>&1 &
-wait
+if [ "$CACHE" = skip ]; then
+  say "answers: $(wc -l < artifacts/data/answers.jsonl); training on the $(find artifacts/cache -name '*.npz' | wc -l) cached"
+else
+  say "answers: $(wc -l < artifacts/data/answers.jsonl); building the target cache (2 builders)"
+  "$PY" -m dspark.cli data --no-generate --threads 1 > "$OUT/cache-a.log" 2>&1 &
+  "$PY" -m dspark.cli data --no-generate --threads 1 --reverse > "$OUT/cache-b.log" 2>&1 &
+  wait
+fi
 
 say "training $KINDS ($STEPS steps each, side by side${LAYERS:+, $LAYERS draft layers})"
 for k in $KINDS; do
