@@ -15,7 +15,7 @@ from dspark.models.loading import target_dir as _target_dir
 from dspark.models.target import TargetRunner
 from dspark.prompts import eval_prompts
 from dspark.serving.launcher import Server
-from tests.integration.test_tiny_server import _metrics, _stream
+from tests.integration.test_tiny_server import _settled, _stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -79,10 +79,8 @@ def test_concurrent_sampled_streams_equal_their_solo_outputs(real_server):
         alone = _stream(url, [req], timeout=120)[f"s{i}"]
         assert together[f"s{i}"]["error"] is None and alone["error"] is None
         assert together[f"s{i}"]["tokens"] == alone["tokens"], f"stream {i} depends on its company"
-    m = _metrics(real_server)
-    assert m['dspark_active_sequences{model="dspark"}'] == 0
-    assert m['dspark_free_slots{model="dspark"}'] == SLOTS
-    assert m["dspark_target_sequences"] == 0 and m["dspark_drafter_backbone_sequences"] == 0
+    # the gauges are set after every round, so the last one may trail the last response: a bounded wait
+    _settled(real_server, slots=SLOTS)
 
 
 def test_the_readme_python_client_runs_against_the_server(real_server, capsys):

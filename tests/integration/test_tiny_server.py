@@ -229,7 +229,7 @@ def _metrics(srv) -> dict[str, float]:
         return parse_prometheus(r.read().decode())
 
 
-def _settled(srv, timeout=30.0) -> dict[str, float]:
+def _settled(srv, timeout=30.0, slots=3) -> dict[str, float]:
     """Metrics once no sequence is held anywhere (bounded wait); fails with the last values."""
     deadline = time.monotonic() + timeout
     while True:
@@ -240,7 +240,7 @@ def _settled(srv, timeout=30.0) -> dict[str, float]:
             m.get("dspark_target_sequences"),
             m.get("dspark_drafter_backbone_sequences"),
         )
-        if held == (0.0, 0.0, 0.0, 0.0) and m.get('dspark_free_slots{model="dspark"}') == 3.0:
+        if held == (0.0, 0.0, 0.0, 0.0) and m.get('dspark_free_slots{model="dspark"}') == slots:
             return m
         if time.monotonic() > deadline:
             raise AssertionError(f"sequences still held after {timeout} s: {held}")
