@@ -31,12 +31,13 @@ LIMIT=${LIMIT:-24}
 KINDS=${KINDS:-dspark dflash}
 LAYERS=${LAYERS:-}
 CACHE=${CACHE:-build}
+case "$CACHE" in build|skip) ;; *) echo "CACHE must be build or skip, not '$CACHE'" >&2; exit 2 ;; esac
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT/evals"
 say() { echo "[next-stage $(date -u +%H:%M:%S)] $*"; }
 
 if [ "$CACHE" = skip ]; then
-  say "answers: $(wc -l < artifacts/data/answers.jsonl); training on the $(find artifacts/cache -name '*.npz' | wc -l) cached"
+  say "answers: $(wc -l < artifacts/data/answers.jsonl); training on the $(find artifacts/cache -name '*.npz' ! -name '*.tmp.npz' | wc -l) cached"
 else
   say "answers: $(wc -l < artifacts/data/answers.jsonl); building the target cache (2 builders)"
   "$PY" -m dspark.cli data --no-generate --threads 1 > "$OUT/cache-a.log" 2>&1 &
