@@ -250,8 +250,6 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         n = self.cfg.num_layers
         if num_layers < n:
             raise ValueError(f"a drafter of {n} draft layers cannot be deepened to {num_layers}")
-        dtype = next(self.parameters()).dtype
-        out = BlockDrafter(replace(self.cfg, num_layers=num_layers), self.draft_vocab).to(dtype)
         state = self.state_dict()  # load_state_dict copies: no clones needed
         top = f"layers.{n - 1}."
         block = {k[len(top) :]: v for k, v in state.items() if k.startswith(top)}
@@ -259,8 +257,7 @@ class BlockDrafter(DraftModelMixin, nn.Module):
             for name, v in block.items():
                 zero = name.startswith(("o_proj.", "mlp.down_proj."))
                 state[f"layers.{i}.{name}"] = torch.zeros_like(v) if zero else v
-        out.load_state_dict(state, strict=True)  # in this drafter's dtype: the copies are exact
-        return out
+        return self._with_layers(num_layers, state)
 
     def truncated(self, num_layers: int) -> BlockDrafter:
         """This drafter with only its bottom `num_layers` draft layers (issue 12, item 5: the
@@ -270,10 +267,15 @@ class BlockDrafter(DraftModelMixin, nn.Module):
         n = self.cfg.num_layers
         if not 1 <= num_layers <= n:
             raise ValueError(f"a drafter of {n} draft layers cannot be truncated to {num_layers}")
+        drop = tuple(f"layers.{i}." for i in range(num_layers, n))
+        kept = {k: v for k, v in self.state_dict().items() if not k.startswith(drop)}
+        return self._with_layers(num_layers, kept)
+
+    def _with_layers(self, num_layers: int, state: dict) -> BlockDrafter:
+        """A drafter like this one with `num_layers` draft layers, loaded from `state` in this
+        drafter's dtype (strict: the state must hold exactly those layers; the copies are exact)."""
         dtype = next(self.parameters()).dtype
         out = BlockDrafter(replace(self.cfg, num_layers=num_layers), self.draft_vocab).to(dtype)
-        drop = tuple(f"layers.{i}." for i in range(num_layers, n))
-        state = {k: v for k, v in self.state_dict().items() if not k.startswith(drop)}
         out.load_state_dict(state, strict=True)
         return out
 
