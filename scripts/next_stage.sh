@@ -36,12 +36,16 @@ export OMP_NUM_THREADS=1
 mkdir -p "$OUT/evals"
 say() { echo "[next-stage $(date -u +%H:%M:%S)] $*"; }
 
+# the ORT target engine (make engines) runs the cache rebuild and the evals when it is there
+engines=$([ -f build/engines/target.opt.onnx ] && echo "--engines build/engines" || true)
 if [ "$CACHE" = skip ]; then
   say "answers: $(wc -l < artifacts/data/answers.jsonl); training on the $(find artifacts/cache -name '*.npz' ! -name '*.tmp.npz' | wc -l) cached"
 else
   say "answers: $(wc -l < artifacts/data/answers.jsonl); building the target cache (2 builders)"
-  "$PY" -m dspark.cli data --no-generate --threads 1 > "$OUT/cache-a.log" 2>&1 &
-  "$PY" -m dspark.cli data --no-generate --threads 1 --reverse > "$OUT/cache-b.log" 2>&1 &
+  # shellcheck disable=SC2086
+  "$PY" -m dspark.cli data --no-generate --threads 1 $engines > "$OUT/cache-a.log" 2>&1 &
+  # shellcheck disable=SC2086
+  "$PY" -m dspark.cli data --no-generate --threads 1 --reverse $engines > "$OUT/cache-b.log" 2>&1 &
   wait
 fi
 
@@ -53,7 +57,6 @@ done
 wait
 
 say "held-out eval of the candidates ($LIMIT prompts per set)"
-engines=$([ -f build/engines/target.opt.onnx ] && echo "--engines build/engines" || true)
 evaluate() {  # drafter folder, output folder
   for s in gsm8k-test humaneval mt-bench; do for t in 0 1; do
     out="$2/$(basename "$1")-$s-T$t.json"

@@ -38,6 +38,14 @@ def add_parsers(sub) -> None:
         "--cache, one thread each, meets the first in the middle)",
     )
     dd.add_argument(
+        "--shuffle",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="build the target cache in a seeded random order: stopped part-way, the cache is a uniform "
+        "sample of the answers (a stage on a partial cache keeps the data mix)",
+    )
+    dd.add_argument(
         "--new-only",
         action="store_true",
         help="generate without first rebuilding the cache of the answers already there (new answers "
@@ -46,8 +54,8 @@ def add_parsers(sub) -> None:
     dd.add_argument(
         "--engines",
         default=None,
-        help="generate on the ONNX Runtime target engine of this build folder (make engines) "
-        "instead of the PyTorch model",
+        help="generate and rebuild the target cache on the ONNX Runtime target engine of this build "
+        "folder (make engines) instead of the PyTorch model",
     )
     dd.add_argument(
         "--pools",
@@ -166,6 +174,9 @@ def cmd_data(args: argparse.Namespace) -> int:
         per_pool = ", ".join(f"{p} {n}" for p, n in sorted(counts.items(), key=lambda kv: -kv[1]))
         print(f"[data] {sum(counts.values())} answers ({per_pool}) → {args.snapshot} ({size:.2f} MB)")
         return 0
+    if args.reverse and args.shuffle is not None:
+        print("error: --reverse and --shuffle are two cache-rebuild orders: pick one", file=sys.stderr)
+        return 2
     if args.new_only and args.no_generate:
         print("error: --new-only generates; --no-generate only rebuilds the cache", file=sys.stderr)
         return 2
@@ -206,16 +217,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         with gzip.open(seed_from, "rb") as src_f, out.open("wb") as dst_f:
             shutil.copyfileobj(src_f, dst_f)
         print(f"[data] starting from the committed answers in {seed_from}")
-    if args.cache and not args.new_only:
-        from dspark.training.data import build_cache
-
-        n = build_cache(loaded, out, Path(args.cache), reverse=args.reverse)
-        if n:
-            print(f"[data] rebuilt the target cache for {n} committed answers")
-    if args.no_generate:
-        print("[data] --no-generate: using the answers already there (run `make data` to generate the rest)")
-        return 0
-    runner = None
+    make_runner = None  # (slots, max_len) -> target runner; None: the PyTorch model
     if args.engines:
         from dspark.engines.ort import OrtTargetRunner, session
 
@@ -223,8 +225,25 @@ def cmd_data(args: argparse.Namespace) -> int:
         if not onnx.exists():
             print(f"error: no target engine in {args.engines}: run `make engines` first", file=sys.stderr)
             return 2
-        max_len = args.max_prompt_tokens + args.max_new_tokens + 1
-        runner = OrtTargetRunner(session(onnx, args.threads), loaded.model.cfg, args.batch, max_len)
+
+        def make_runner(slots: int, max_len: int):
+            return OrtTargetRunner(session(onnx, args.threads), loaded.model.cfg, slots, max_len)
+
+    if args.cache and not args.new_only:
+        from dspark.training.data import build_cache
+
+        one_slot = (lambda max_len: make_runner(1, max_len)) if make_runner else None
+        n = build_cache(
+            loaded, out, Path(args.cache), reverse=args.reverse, make_runner=one_slot, shuffle=args.shuffle
+        )
+        if n:
+            print(f"[data] rebuilt the target cache for {n} committed answers")
+    if args.no_generate:
+        print("[data] --no-generate: using the answers already there (run `make data` to generate the rest)")
+        return 0
+    runner = None
+    if make_runner is not None:
+        runner = make_runner(args.batch, args.max_prompt_tokens + args.max_new_tokens + 1)
     common = dict(
         cache_dir=Path(args.cache) if args.cache else None,
         batch=args.batch,

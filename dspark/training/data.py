@@ -305,23 +305,37 @@ def _write_npz(path: Path, prompt_ids, answer_ids, features, hidden, lse) -> Non
 
 
 def build_cache(
-    loaded: LoadedTarget, answers_path: Path, cache_dir: Path, batch_tokens: int = 2048, reverse: bool = False
+    loaded: LoadedTarget,
+    answers_path: Path,
+    cache_dir: Path,
+    reverse: bool = False,
+    make_runner=None,
+    shuffle: int | None = None,
 ) -> int:
     """Rebuild the target cache from committed answers (one forward over prompt + answer per
     sample, skipping samples already cached). `reverse` walks the answers from the end, so that a
-    second builder on the same folder meets the first in the middle. Returns the number of
-    samples written."""
+    second builder on the same folder meets the first in the middle; `shuffle` (a seed) walks them
+    in a seeded random order instead, so that a cache stopped part-way is a uniform sample of the
+    answers (a stage on a fresh machine's partial cache keeps the data mix). `make_runner(max_len)` gives
+    the one-slot target runner (the ONNX Runtime engine, engines.ort.OrtTargetRunner, is the fast
+    one); default: the PyTorch TargetRunner. Returns the number of samples written."""
     from tqdm import tqdm
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     todo = [a for a in read_answers(answers_path) if not cache_file(cache_dir, a).exists()]
+    if reverse and shuffle is not None:
+        raise ValueError("reverse and shuffle are two orders: pick one")
     if reverse:
         todo.reverse()
-    runner = TargetRunner(
-        loaded.model,
-        num_slots=1,
-        max_len=max([1] + [len(a["prompt_ids"]) + len(a["answer_ids"]) for a in todo]),
-    )
+    if shuffle is not None:
+        import random
+
+        random.Random(shuffle).shuffle(todo)
+    max_len = max([1] + [len(a["prompt_ids"]) + len(a["answer_ids"]) for a in todo])
+    if make_runner is None:
+        runner = TargetRunner(loaded.model, num_slots=1, max_len=max_len)
+    else:
+        runner = make_runner(max_len)
     written = 0
     for a in tqdm(todo, unit="sample", dynamic_ncols=True, mininterval=10):
         dest = cache_file(cache_dir, a)

@@ -114,6 +114,28 @@ def test_cache_builders_on_one_folder_skip_what_the_other_wrote(tmp_path, monkey
     assert order == [f"{a['pool']}-{a['index']}" for a in reversed(answers)]  # from the end
 
 
+def test_cache_rebuild_in_a_seeded_random_order(tmp_path, monkeypatch):
+    """--shuffle SEED: a cache stopped part-way is a uniform sample of the answers, and the same
+    seed walks the same order (reverse and shuffle are refused together)."""
+    import pytest
+
+    from dspark.training import data as D
+
+    loaded = _loaded()
+    regenerate(loaded, PROMPTS, tmp_path / "a.jsonl", cache_dir=None, batch=3, max_new_tokens=4)
+    keys = [f"{a['pool']}-{a['index']}" for a in D.read_answers(tmp_path / "a.jsonl")]
+    write, orders = D._write_npz, []
+    record = lambda path, *a: orders[-1].append(Path(path).stem) or write(path, *a)  # noqa: E731
+    monkeypatch.setattr(D, "_write_npz", record)
+    for folder, seed in (("s1", 1), ("s1b", 1), ("s2", 2)):
+        orders.append([])
+        assert D.build_cache(loaded, tmp_path / "a.jsonl", tmp_path / folder, shuffle=seed) == len(keys)
+    assert sorted(orders[0]) == sorted(keys) and orders[0] == orders[1]
+    assert orders[0] != keys and orders[2] != orders[0]  # fixed seeds: deterministic
+    with pytest.raises(ValueError, match="pick one"):
+        D.build_cache(loaded, tmp_path / "a.jsonl", tmp_path / "x", reverse=True, shuffle=1)
+
+
 def test_snapshot_keeps_the_complete_answers_of_a_running_job(tmp_path):
     from dspark.training.data import write_snapshot
 

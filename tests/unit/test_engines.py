@@ -232,3 +232,35 @@ def test_int8_drafter_engines_stay_lossless_and_rebuild_incrementally(tmp_path):
     build_drafter(b, m, sha256_tensors(m), {})
     build_int8_drafter(b)
     assert lines and all("up to date" in s for s in lines)
+
+
+def test_target_cache_rebuilt_on_the_engine_equals_the_pytorch_rebuild(built, tmp_path):
+    """`dspark data --engines` rebuilds the training cache on the ORT target engine (issue 12:
+    the per-machine rebuild is the cost every fresh machine pays): same samples, same values."""
+    import numpy as np
+
+    from dspark.models.loading import LoadedTarget
+    from dspark.training.data import Prompt, build_cache, regenerate
+    from tests.unit.test_data import CharTokenizer
+
+    head, target, _, out = built
+    if head != "markov":
+        pytest.skip("the target engine is the same in every build of this fixture")
+    loaded = LoadedTarget(target, CharTokenizer(), "tiny")
+    prompts = [Prompt("pool", i, f"q{i}?" * (1 + i % 2)) for i in range(3)]
+    regenerate(loaded, prompts, tmp_path / "a.jsonl", batch=2, max_new_tokens=8)
+    assert build_cache(loaded, tmp_path / "a.jsonl", tmp_path / "torch") == 3
+    made = []
+
+    def engine(max_len):
+        made.append(max_len)
+        return OrtTargetRunner(session(out / "target.opt.onnx", 1), TINY, 1, max_len)
+
+    assert build_cache(loaded, tmp_path / "a.jsonl", tmp_path / "ort", make_runner=engine) == 3
+    assert len(made) == 1  # one engine runner for the whole rebuild, sized to the longest sample
+    for f in sorted((tmp_path / "torch").glob("*.npz")):
+        a, b = np.load(f), np.load(tmp_path / "ort" / f.name)
+        assert a["tokens"].tolist() == b["tokens"].tolist() and int(a["prompt_len"]) == int(b["prompt_len"])
+        for k in ("features", "last_hidden"):
+            assert np.allclose(a[k], b[k], atol=2e-3 * np.abs(a[k]).max()), k
+        assert np.allclose(a["lse"], b["lse"], atol=1e-4)
