@@ -211,6 +211,8 @@ def run_training(
         flush=True,
     )
     out.mkdir(parents=True, exist_ok=True)
+    # which samples this run trained on (a partial cache's stage is otherwise not reconstructible)
+    (out / "training_files.txt").write_text("".join(f"{Path(f).stem}\n" for f in files))
     log_path = out / "train.log"
 
     def log(line: str) -> None:

@@ -52,6 +52,10 @@ def test_training_continues_from_a_shipped_fp16_drafter(tmp_path):
     )
     assert moved  # it trained
     json.dumps(s)  # the lineage goes into drafter.json
+    listed = (tmp_path / "run2" / "training_files.txt").read_text().split()  # what it trained on
+    assert len(listed) == s["training_sequences"] and all(
+        (tmp_path / "cache" / f"{k}.npz").exists() for k in listed
+    )
 
 
 def test_continuing_a_drafter_of_another_kind_is_refused(tmp_path):
