@@ -56,7 +56,7 @@ FIFTH_STEPS ?= 1000
 SIXTH_STEPS ?= 1500
 SEVENTH_STEPS ?= 1500
 train: setup
-	$(PY) -m dspark.cli data --no-generate
+	$(PY) -m dspark.cli data --no-generate $$( [ -f build/engines/target.opt.onnx ] && echo --engines build/engines )
 	for k in dspark dflash eagle3; do \
 	  $(PY) -m dspark.cli train --kind $$k --steps $(TRAIN_STEPS) --out artifacts/runs/$$k \
 	    --ship artifacts/stage1/$$k || exit 1; \
