@@ -99,12 +99,23 @@ def score(args: argparse.Namespace) -> int:
     for k in ["raw", *fits]:
         vals = [r[k] for r in rows]
         print(f"{k}: mean {np.mean(vals):.4f}, ≤ 2% on {sum(v <= 0.02 for v in vals)} of {len(vals)} cells")
+    cross = []  # in distribution: each rollout file scored by the STS fitted on the others
+    for i, held in enumerate(z if len(z) > 1 else []):
+        rest = [a for j, a in enumerate(z) if j != i]
+        fit = STS.fit(*(np.concatenate([a[k] for a in rest]) for k in ("logits", "accepted", "verified")))
+        rep = calibration_report(held["logits"], held["accepted"], held["verified"], fit)
+        cross.append({"file": str(args.traces[i]), "raw": rep["ece_raw"], "sts": rep["ece_sts"]})
+        print(
+            f"held-out rollouts {args.traces[i]}: ECE raw {rep['ece_raw']:.4f}, STS fitted on the others "
+            f"{rep['ece_sts']:.4f}"
+        )
     if args.json:
         out = {
             "traces": [str(f) for f in args.traces],
             "rounds": rounds,
             "temperatures": {k: list(v.temperatures) for k, v in fits.items()},
             "cells": rows,
+            "cross_fit": cross,
         }
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -56,6 +56,7 @@ def test_score_and_apply_refit_an_overconfident_head(tmp_path, capsys):
     assert cell["refit-all"] < cell["raw"] / 2
     assert min(res["temperatures"]["refit-all"][:4]) > 1.5  # softened (true factor 3) where rows are many
     assert "refit-all" in capsys.readouterr().out
+    assert [c["file"] for c in res["cross_fit"]] == traces  # each file scored by the fit on the other
 
     assert sts_refit.main(["apply", *traces, "--drafter", str(drafter)]) == 0
     written = STS.from_dict(json.loads((drafter / "drafter.json").read_text())["sts"])
