@@ -3,7 +3,8 @@
 #   1. the target cache for every answer in artifacts/data/answers.jsonl (two cooperating
 #      builders on one folder, one thread each: one from the start, one from the end);
 #   2. DSpark and DFlash (KINDS) continued from the shipped drafters, side by side, one thread each
-#      (STEPS at lr 3e-4; each run resumes from its own checkpoints);
+#      (STEPS at lr 3e-4; each run resumes from its own checkpoints), then DSpark's STS on 240
+#      held-out rollouts (T = 1 and greedy, one core each: `dspark train`'s fit in half the time);
 #   3. the held-out eval of the candidates (the `make eval` protocol: 24 prompts per set, γ = 7,
 #      greedy and T = 1, verified on the ORT target engine);
 #   4. τ per cell, candidate against the shipped drafter's docs/acceptance/evals, and the paired
@@ -52,9 +53,23 @@ fi
 say "training $KINDS ($STEPS steps each, side by side${LAYERS:+, $LAYERS draft layers})"
 for k in $KINDS; do
   "$PY" -m dspark.cli train --kind "$k" --init-from "drafters/$k" --steps "$STEPS" --lr 3e-4 \
-    --threads 1 --out "$OUT/runs/$k" --ship "$OUT/$k" ${GROW:+--grow-vocab "$GROW"} ${LAYERS:+--layers "$LAYERS"} > "$OUT/train-$k.log" 2>&1 &
+    --threads 1 --out "$OUT/runs/$k" --ship "$OUT/$k" ${GROW:+--grow-vocab "$GROW"} ${LAYERS:+--layers "$LAYERS"} \
+    --sts-prompts 0 > "$OUT/train-$k.log" 2>&1 &
 done
 wait
+
+if [[ " $KINDS " == *" dspark "* ]]; then
+  # the STS `dspark train` would fit at the end (240 held-out prompts, T = 1 then greedy), its two
+  # slices on the two cores: the same rounds in half the time
+  say "STS of the DSpark candidate on held-out rollouts (dspark.perf.sts_refit)"
+  for spec in "0 120 1" "120 120 0"; do
+    read -r start n t <<< "$spec"
+    "$PY" -m dspark.perf.sts_refit rollouts --drafter "$OUT/dspark" --start "$start" --count "$n" \
+      --temperature "$t" --out "$OUT/sts-T$t.npz" > "$OUT/sts-T$t.log" 2>&1 &
+  done
+  wait
+  "$PY" -m dspark.perf.sts_refit apply "$OUT"/sts-T*.npz --drafter "$OUT/dspark"
+fi
 
 say "held-out eval of the candidates ($LIMIT prompts per set)"
 evaluate() {  # drafter folder, output folder

@@ -132,7 +132,11 @@ def add_parsers(sub) -> None:
     )  # fmt: skip
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--ckpt-every", type=int, default=50)
-    t.add_argument("--sts-prompts", type=int, default=40)
+    t.add_argument(
+        "--sts-prompts", type=int, default=240,
+        help="DSpark: held-out prompts whose speculative rollouts the STS is fitted on, the first half at "
+        "T = 1, the second greedy (0: no STS); ~11 min at one thread per 120",
+    )  # fmt: skip
     t.add_argument("--sts-tokens", type=int, default=128)
     t.add_argument("--threads", type=int, default=2)
     t.set_defaults(fn=cmd_train)
@@ -301,8 +305,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.models.loading import load_target
-    from dspark.models.runners import runner_for
-    from dspark.training.evaluate import rollout_traces
     from dspark.training.pipeline import SHIPPED, run_training
     from dspark.training.train import TrainConfig
 
@@ -339,14 +341,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     extra = {"summary": {k: v for k, v in summary.items() if k != "history"}, "history": summary["history"]}
     if model.cfg.kind == "dspark" and res["held"] and args.sts_prompts > 0:
-        prompts = [a["prompt_ids"] for a in res["held"][: args.sts_prompts]]
-        print(
-            f"[train] fitting STS on speculative rollouts of {len(prompts)} held-out prompts (T=1)",
-            flush=True,
-        )
-        traces = rollout_traces(loaded, runner_for(model, 4, 2048), prompts, args.sts_tokens, temperature=1.0)
-        from dspark.training.evaluate import fit_sts_on_traces
+        from dspark.training.evaluate import fit_sts_on_traces, sts_rollouts, sts_slices
 
+        traces = []
+        for start, n, temp in sts_slices(args.sts_prompts):
+            print(f"[train] STS rollouts: held-out prompts {start}–{start + n} at T={temp:g}", flush=True)
+            traces += sts_rollouts(loaded, model, res["held"], start, n, temp, args.sts_tokens)
         extra["sts"] = fit_sts_on_traces(traces, model.cfg.block_size).to_dict()
     dest = Path(args.ship) if args.ship else SHIPPED / args.kind
     model.save(dest, extra=extra)

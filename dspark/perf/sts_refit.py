@@ -31,31 +31,19 @@ def rollouts(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.models.loading import load_target
-    from dspark.models.runners import runner_for
     from dspark.training.data import read_answers
-    from dspark.training.evaluate import rollout_traces, traces_to_arrays
+    from dspark.training.evaluate import sts_rollouts, traces_to_arrays
     from dspark.training.pipeline import load_drafter, split_cache
 
     torch.set_num_threads(args.threads)
     loaded = load_target()
     model, _ = load_drafter(args.drafter, loaded)
     _, held, _ = split_cache(read_answers(Path(args.answers)), None)
-    order = np.random.default_rng(args.order).permutation(len(held))  # every slice mixes the pools
-    prompts = [held[i]["prompt_ids"] for i in order[args.start : args.start + args.count]]
-    if not prompts:
+    print(f"[sts] held-out prompts {args.start}–{args.start + args.count} at T={args.temperature}")
+    traces = sts_rollouts(loaded, model, held, args.start, args.count, args.temperature, args.tokens)
+    if not traces:
         print(f"error: no held-out prompts from {args.start} in {args.answers} ({len(held)} held out)")
         return 2
-    print(
-        f"[sts] rollouts of held-out prompts {args.start}–{args.start + len(prompts)} at T={args.temperature}"
-    )
-    traces = rollout_traces(
-        loaded,
-        runner_for(model, 4, 2048),
-        prompts,
-        args.tokens,
-        temperature=args.temperature,
-        seed=args.start,
-    )
     logits, accepted, verified = traces_to_arrays(traces, model.cfg.block_size)
     np.savez(args.out, logits=logits, accepted=accepted, verified=verified, temperature=args.temperature)
     print(f"[sts] {len(logits)} rounds → {args.out}")
@@ -147,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("rollouts")
     r.add_argument("--drafter", default="drafters/dspark")
     r.add_argument("--answers", default="artifacts/data/answers.jsonl")
-    r.add_argument("--order", type=int, default=0, help="seed of the held-out prompts' order")
     r.add_argument("--start", type=int, default=0)
     r.add_argument("--count", type=int, default=80)
     r.add_argument("--tokens", type=int, default=128)

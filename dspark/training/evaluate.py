@@ -121,6 +121,45 @@ def evaluate(
     return out, {"logits": logits, "accepted": accepted, "verified": verified, "request": request_of_round}
 
 
+STS_TEMPERATURES = (1.0, 0.0)
+"""The temperatures of the STS rollouts, one slice of the held-out prompts each (issue 12, item 6:
+the eval sets are scored at both, and a fit on one temperature alone calibrates the other worse)."""
+
+
+def sts_slices(count: int, temperatures=STS_TEMPERATURES) -> list[tuple[int, int, float]]:
+    """(start, count, T) per temperature: `count` held-out prompts split in order, T_1 first."""
+    n = len(temperatures)
+    bounds = [count * i // n for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1] - bounds[i], float(t)) for i, t in enumerate(temperatures)]
+
+
+def sts_prompts(held: list[dict], start: int, count: int, order: int = 0) -> list[list[int]]:
+    """Held-out prompts start..start+count in a seeded order, so that every slice mixes the pools
+    (the held-out records come pool by pool)."""
+    idx = np.random.default_rng(order).permutation(len(held))
+    return [held[i]["prompt_ids"] for i in idx[start : start + count]]
+
+
+def sts_rollouts(
+    loaded: LoadedTarget,
+    drafter: Drafter,
+    held: list[dict],
+    start: int,
+    count: int,
+    temperature: float,
+    max_new_tokens: int = 128,
+) -> list[RoundTrace]:
+    """One slice of the STS rollouts (`sts_slices`): `dspark train` runs every slice in turn,
+    `python -m dspark.perf.sts_refit rollouts` one per process; both give the same rounds."""
+    from dspark.models.runners import runner_for
+
+    prompts = sts_prompts(held, start, count)
+    if not prompts:
+        return []
+    runner = runner_for(drafter, 4, 2048)
+    return rollout_traces(loaded, runner, prompts, max_new_tokens, temperature=temperature, seed=start)
+
+
 def fit_sts_on_traces(traces: list[RoundTrace], gamma: int) -> STS:
     logits, accepted, verified = traces_to_arrays(traces, gamma)
     return STS.fit(logits, accepted, verified)

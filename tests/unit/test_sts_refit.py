@@ -63,3 +63,16 @@ def test_score_and_apply_refit_an_overconfident_head(tmp_path, capsys):
     assert list(written.temperatures) == res["temperatures"]["refit-all"]
     rep = calibration_report(r["logits"], r["accepted"], r["verified"], written)
     assert np.isclose(rep["ece_sts"], cell["refit-all"])
+
+
+def test_sts_slices_split_the_held_out_prompts_once_each():
+    from dspark.training.evaluate import sts_prompts, sts_slices
+
+    assert sts_slices(240) == [(0, 120, 1.0), (120, 120, 0.0)]  # dspark train's default
+    held = [{"prompt_ids": [i]} for i in range(50)]
+    slices = sts_slices(45, (1.0, 0.0, 0.5))
+    assert [n for _, n, _ in slices] == [15, 15, 15]
+    got = [p[0] for s, n, _ in slices for p in sts_prompts(held, s, n)]
+    assert len(set(got)) == 45  # disjoint
+    assert got[:15] != list(range(15))  # a seeded order, not the file's (pool by pool)
+    assert got == [p[0] for p in sts_prompts(held, 0, 45)]  # the slices of one order
