@@ -62,11 +62,12 @@ if [[ " $KINDS " == *" dspark "* ]]; then
   # the STS `dspark train` would fit at the end (240 held-out prompts, T = 1 then greedy), its two
   # slices on the two cores: the same rounds in half the time
   say "STS of the DSpark candidate on held-out rollouts (dspark.perf.sts_refit)"
-  for spec in "0 120 1" "120 120 0"; do
-    read -r start n t <<< "$spec"
+  slices=$("$PY" -c 'from dspark.training.evaluate import STS_PROMPTS, sts_slices as s
+for start, n, t in s(STS_PROMPTS): print(start, n, f"{t:g}")')
+  while read -r start n t; do
     "$PY" -m dspark.perf.sts_refit rollouts --drafter "$OUT/dspark" --start "$start" --count "$n" \
       --temperature "$t" --out "$OUT/sts-T$t.npz" > "$OUT/sts-T$t.log" 2>&1 &
-  done
+  done <<< "$slices"
   wait
   "$PY" -m dspark.perf.sts_refit apply "$OUT"/sts-T*.npz --drafter "$OUT/dspark"
 fi

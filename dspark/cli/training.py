@@ -133,9 +133,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--ckpt-every", type=int, default=50)
     t.add_argument(
-        "--sts-prompts", type=int, default=240,
+        "--sts-prompts", type=int, default=None,
         help="DSpark: held-out prompts whose speculative rollouts the STS is fitted on, the first half at "
-        "T = 1, the second greedy (0: no STS); ~11 min at one thread per 120",
+        "T = 1, the second greedy (default 240, ~11 min at one thread per 120; 0: no STS)",
     )  # fmt: skip
     t.add_argument("--sts-tokens", type=int, default=128)
     t.add_argument("--threads", type=int, default=2)
@@ -340,11 +340,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"[train] stopped at step {summary['steps']}/{tc.steps}; run the same command again to resume")
         return 0
     extra = {"summary": {k: v for k, v in summary.items() if k != "history"}, "history": summary["history"]}
-    if model.cfg.kind == "dspark" and res["held"] and args.sts_prompts > 0:
-        from dspark.training.evaluate import fit_sts_on_traces, sts_rollouts, sts_slices
+    from dspark.training.evaluate import STS_PROMPTS, fit_sts_on_traces, sts_rollouts, sts_slices
 
+    sts_prompts = STS_PROMPTS if args.sts_prompts is None else args.sts_prompts
+    if model.cfg.kind == "dspark" and res["held"] and sts_prompts > 0:
         traces = []
-        for start, n, temp in sts_slices(args.sts_prompts):
+        for start, n, temp in sts_slices(sts_prompts):
             print(f"[train] STS rollouts: held-out prompts {start}–{start + n} at T={temp:g}", flush=True)
             traces += sts_rollouts(loaded, model, res["held"], start, n, temp, args.sts_tokens)
         extra["sts"] = fit_sts_on_traces(traces, model.cfg.block_size).to_dict()

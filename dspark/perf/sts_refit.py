@@ -7,12 +7,12 @@
     .venv/bin/python -m dspark.perf.sts_refit score results/sts/rollouts-T*.npz --json results/sts/refit.json
     .venv/bin/python -m dspark.perf.sts_refit apply results/sts/rollouts-T*.npz --drafter drafters/dspark
 
-`dspark train` fits the shipped drafter's STS on speculative rollouts of the first
-`--sts-prompts` (40) held-out training prompts at T = 1. `rollouts` records the same kind of
-rollouts (the shipped drafter, static:γ, `--tokens` new tokens, PyTorch target) for a slice of the
-held-out prompts in a seeded order (every slice mixes the pools), so two processes can share the
-work; `score` fits STS on every recorded round together (and per temperature, when the files hold
-more than one) and reports the ECE of prefix survival per eval set and temperature from the eval rounds
+`dspark train` fits DSpark's STS on speculative rollouts of `--sts-prompts` (240) held-out
+training prompts, split into slices by temperature (`dspark.training.evaluate.sts_slices`: T = 1,
+then greedy). `rollouts` records one such slice (the drafter, static:γ, `--tokens` new tokens,
+PyTorch target, the same rounds `dspark train` records), so two processes can share the work;
+`score` fits STS on every recorded round together (and per temperature, when the files hold more
+than one) and reports the ECE of prefix survival per eval set and temperature from the eval rounds
 in docs/acceptance/evals (what `dspark eval` wrote): raw, with the shipped STS, and with the refit.
 The eval sets are only scored, never fitted on. `apply` writes the fit on every given file into a
 drafter's drafter.json (what the orchestrator and `dspark eval` read).
@@ -50,6 +50,16 @@ def rollouts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit(files) -> tuple:
+    """The STS fitted on every round of the given rollout files, and how many rounds that was."""
+    from dspark.core.calibration import STS
+
+    logits, accepted, verified = (
+        np.concatenate([a[k] for a in files]) for k in ("logits", "accepted", "verified")
+    )
+    return STS.fit(logits, accepted, verified), len(logits)
+
+
 def score(args: argparse.Namespace) -> int:
     from dspark.core.calibration import STS, calibration_report
     from dspark.prompts import EVAL_SETS
@@ -63,9 +73,7 @@ def score(args: argparse.Namespace) -> int:
     )
     rounds = {}
     for label, zs in groups:
-        fit_on = {k: np.concatenate([a[k] for a in zs]) for k in ("logits", "accepted", "verified")}
-        fits[f"refit-{label}"] = STS.fit(fit_on["logits"], fit_on["accepted"], fit_on["verified"])
-        rounds[f"refit-{label}"] = len(fit_on["logits"])
+        fits[f"refit-{label}"], rounds[f"refit-{label}"] = _fit(zs)
     name = Path(args.drafter).name
     for k, sts in fits.items():
         print(f"{k} ({rounds.get(k, 'shipped')} rounds): T_k = {[round(t, 3) for t in sts.temperatures]}")
@@ -78,10 +86,11 @@ def score(args: argparse.Namespace) -> int:
             if not f.exists():
                 continue
             r = np.load(f)
-            row = {"set": s, "T": t}
+            row: dict = {"set": s, "T": t}
             for k, sts in fits.items():
                 rep = calibration_report(r["logits"], r["accepted"], r["verified"], sts)
-                row["raw"], row[k] = rep["ece_raw"], rep["ece_sts"]
+                row.setdefault("raw", rep["ece_raw"])
+                row[k] = rep["ece_sts"]
             rows.append(row)
             print(f"| {s} | {t} | " + " | ".join(f"{row[k]:.3f}" for k in ["raw", *fits]) + " |")
     for k in ["raw", *fits]:
@@ -89,8 +98,7 @@ def score(args: argparse.Namespace) -> int:
         print(f"{k}: mean {np.mean(vals):.4f}, ≤ 2% on {sum(v <= 0.02 for v in vals)} of {len(vals)} cells")
     cross = []  # in distribution: each rollout file scored by the STS fitted on the others
     for i, held in enumerate(z if len(z) > 1 else []):
-        rest = [a for j, a in enumerate(z) if j != i]
-        fit = STS.fit(*(np.concatenate([a[k] for a in rest]) for k in ("logits", "accepted", "verified")))
+        fit, _ = _fit([a for j, a in enumerate(z) if j != i])
         rep = calibration_report(held["logits"], held["accepted"], held["verified"], fit)
         cross.append({"file": str(args.traces[i]), "raw": rep["ece_raw"], "sts": rep["ece_sts"]})
         print(
@@ -111,12 +119,10 @@ def score(args: argparse.Namespace) -> int:
 
 def apply(args: argparse.Namespace) -> int:
     """Write the STS fitted on every given trace file into a drafter's drafter.json."""
-    from dspark.core.calibration import STS
     from dspark.training.pipeline import drafter_path
 
     z = [np.load(f) for f in args.traces]
-    fit_on = {k: np.concatenate([a[k] for a in z]) for k in ("logits", "accepted", "verified")}
-    sts = STS.fit(fit_on["logits"], fit_on["accepted"], fit_on["verified"])
+    sts, n = _fit(z)
     sts.meta["fitted_on"] = (
         f"static:γ rollouts of held-out training prompts at T = "
         f"{sorted({float(a['temperature']) for a in z})} (python -m dspark.perf.sts_refit)"
@@ -125,7 +131,7 @@ def apply(args: argparse.Namespace) -> int:
     meta = json.loads(path.read_text())
     meta["sts"] = sts.to_dict()
     path.write_text(json.dumps(meta, indent=2))
-    print(f"STS of {len(fit_on['logits'])} rounds → {path}: T_k = {[round(t, 3) for t in sts.temperatures]}")
+    print(f"STS of {n} rounds → {path}: T_k = {[round(t, 3) for t in sts.temperatures]}")
     return 0
 
 
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--drafter", default="drafters/dspark")
     r.add_argument("--answers", default="artifacts/data/answers.jsonl")
     r.add_argument("--start", type=int, default=0)
-    r.add_argument("--count", type=int, default=80)
+    r.add_argument("--count", type=int, default=120)
     r.add_argument("--tokens", type=int, default=128)
     r.add_argument("--temperature", type=float, default=1.0)
     r.add_argument("--threads", type=int, default=1)

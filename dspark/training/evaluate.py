@@ -121,6 +121,8 @@ def evaluate(
     return out, {"logits": logits, "accepted": accepted, "verified": verified, "request": request_of_round}
 
 
+STS_PROMPTS = 240
+"""Held-out prompts `dspark train` fits DSpark's STS on (~11 min of rollouts per 120 at one thread)."""
 STS_TEMPERATURES = (1.0, 0.0)
 """The temperatures of the STS rollouts, one slice of the held-out prompts each (issue 12, item 6:
 the eval sets are scored at both, and a fit on one temperature alone calibrates the other worse)."""
