@@ -42,14 +42,14 @@ data: setup
 
 # `make train` trains on the answers already regenerated (the committed snapshot on a fresh clone);
 # run `make data` first to generate the rest. Same token budget for the three drafters, in the
-# nine stages the shipped drafters were made in (issue 12): TRAIN_STEPS from scratch at lr 6e-4,
-# then CONTINUE_STEPS, THIRD_STEPS, FOURTH_STEPS, FIFTH_STEPS, SIXTH_STEPS, SEVENTH_STEPS, EIGHTH_STEPS
-# and NINTH_STEPS more, each from the previous stage's fp16 drafter at lr 3e-4 (what `--init-from` does
-# with a shipped drafter), 9,500 steps in all; only the last fits DSpark's STS (240 held-out
-# prompts, ~22 min). Every stage resumes from its checkpoints. The shipped
-# drafters' stages saw 632, 746, 1,229, 1,879, 4,688, 4,688, 7,058, 3,255 and 3,559 answers (the last
-# two: the part of 8,967 and 10,314 a fresh machine had cached, their training_files.txt); here all
-# nine see what is there. (scripts/next_stage.sh adds one more stage to the shipped drafters.)
+# ten stages the shipped drafters were made in (issue 12): TRAIN_STEPS from scratch at lr 6e-4,
+# then CONTINUE_STEPS, THIRD_STEPS, FOURTH_STEPS, FIFTH_STEPS, SIXTH_STEPS, SEVENTH_STEPS, EIGHTH_STEPS,
+# NINTH_STEPS and TENTH_STEPS more, each from the previous stage's fp16 drafter at lr 3e-4 (what
+# `--init-from` does with a shipped drafter), 11,300 steps in all; only the last fits DSpark's STS
+# (240 held-out prompts, ~22 min). Every stage resumes from its checkpoints. The shipped
+# drafters' stages saw 632, 746, 1,229, 1,879, 4,688, 4,688, 7,058, 3,255, 3,559 and 7,457 answers (the
+# last three: the part of 8,967, 10,314 and 12,217 a machine had cached, their training_files.txt); here
+# all ten see what is there. (scripts/next_stage.sh adds one more stage to the shipped drafters.)
 TRAIN_STEPS ?= 500
 CONTINUE_STEPS ?= 400
 THIRD_STEPS ?= 800
@@ -59,6 +59,7 @@ SIXTH_STEPS ?= 1500
 SEVENTH_STEPS ?= 1500
 EIGHTH_STEPS ?= 1500
 NINTH_STEPS ?= 1500
+TENTH_STEPS ?= 1800
 train: setup
 	$(PY) -m dspark.cli data --no-generate $$( [ -f build/engines/target.opt.onnx ] && echo --engines build/engines )
 	for k in dspark dflash eagle3; do \
@@ -66,10 +67,10 @@ train: setup
 	    --ship artifacts/stage1/$$k --sts-prompts 0 || exit 1; \
 	  prev=artifacts/stage1/$$k; stage=2; \
 	  for steps in $(CONTINUE_STEPS) $(THIRD_STEPS) $(FOURTH_STEPS) $(FIFTH_STEPS) $(SIXTH_STEPS) \
-	    $(SEVENTH_STEPS) $(EIGHTH_STEPS) $(NINTH_STEPS); do \
-	    ship=$$( [ $$stage = 9 ] && echo drafters/$$k || echo artifacts/stage$$stage/$$k ); \
+	    $(SEVENTH_STEPS) $(EIGHTH_STEPS) $(NINTH_STEPS) $(TENTH_STEPS); do \
+	    ship=$$( [ $$stage = 10 ] && echo drafters/$$k || echo artifacts/stage$$stage/$$k ); \
 	    $(PY) -m dspark.cli train --kind $$k --init-from $$prev --steps $$steps --lr 3e-4 \
-	      --out artifacts/runs/$$k-stage$$stage --ship $$ship $$( [ $$stage = 9 ] || echo --sts-prompts 0 ) \
+	      --out artifacts/runs/$$k-stage$$stage --ship $$ship $$( [ $$stage = 10 ] || echo --sts-prompts 0 ) \
 	      || exit 1; \
 	    prev=$$ship; stage=$$((stage + 1)); done; done
 
