@@ -73,19 +73,21 @@ def positions_for(a: float, b: float, goal: float) -> float:
     return math.exp((goal - a) / b) if b > 0 else math.inf
 
 
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
 
 
 def _show_json(repo: Path, commit: str, path: str) -> dict | None:
-    r = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=repo, capture_output=True, text=True)
+    r = _git(repo, "show", f"{commit}:{path}")
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
 def stage_points(repo: Path) -> list[StagePoint]:
     """One point per drafter, total steps and eval protocol; a later commit's evals of the same
     drafter replace an earlier one's (a re-run of the same cells)."""
-    commits = _git(repo, "log", "--reverse", "--format=%H %ad", "--date=short", "--", EVALS).split("\n")
+    log = _git(repo, "log", "--reverse", "--format=%H %ad", "--date=short", "--", EVALS)
+    log.check_returncode()
+    commits = log.stdout.split("\n")
     points: dict[tuple[str, int, int], StagePoint] = {}
     budget_of_first: tuple[int, int] | None = None
     for line in filter(None, commits):
@@ -142,7 +144,10 @@ def projections(points: list[StagePoint], kind: str, fit_last: int) -> dict:
     return out
 
 
-def markdown(points: list[StagePoint], proj: dict, per_step: float) -> str:
+def markdown(points: list[StagePoint], proj: dict, last: StagePoint) -> str:
+    """The points as a table, then the projection; `last` (the newest DSpark point) converts
+    positions into multiples of today's and into steps at its positions per step."""
+    now, per_step = last.positions, last.positions / last.steps
     lines = [
         "| drafter | commit | steps | supervised positions | prompts/set | greedy macro | T = 1 macro |",
         "|---|---|---|---|---|---|---|",
@@ -160,7 +165,6 @@ def markdown(points: list[StagePoint], proj: dict, per_step: float) -> str:
         f"{per_step:,.0f} positions/step |",
         "|---|---|---|---|---|---|",
     ]
-    now = max(p.positions for p in points if p.kind == "dspark")
     for cell, c in proj["cells"].items():
         need = c["positions_for_goal"]
         head = f"| {cell} (goal {c['goal']}) | {c['tau_now']:.2f} | {c['gain_per_doubling']:+.3f} | "
@@ -191,8 +195,8 @@ def plot(points: list[StagePoint], proj: dict, png: Path) -> None:
                     [p.macro(t) for p in ser],
                     marker="o",
                     color=colors[kind],
-                    mfc=colors[kind] if prompts >= 24 else "white",
-                    ls="-" if prompts >= 24 else ":",
+                    mfc=colors[kind] if prompts == proj["prompts"] else "white",  # the newest protocol
+                    ls="-" if prompts == proj["prompts"] else ":",
                     label=f"{names[kind]}, {prompts} prompts/set",
                 )
         ax.set_xscale("log")
@@ -229,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     proj = projections(points, "dspark", args.fit_last)
     last = max((p for p in points if p.kind == "dspark"), key=lambda p: p.positions)
-    per_step = last.positions / last.steps
-    print(markdown(points, proj, per_step))
+    print(markdown(points, proj, last))
     plot(points, proj, args.png)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
