@@ -230,6 +230,14 @@ class TritonMetricsBackend:
     def observe(self, name: str, labels: dict, buckets, value: float) -> None:
         self._metric(name, "HISTOGRAM", labels, buckets).observe(value)
 
+    def close(self) -> None:
+        """Drop every metric and family; the model's finalize() calls it while the stub can still
+        message tritonserver. Left to the interpreter's exit, their destructors message a parent
+        that is gone and the stub segfaults (python backend 2.51, Metric::Clear)."""
+        with self._lock:
+            self.metrics.clear()
+            self.families.clear()
+
 
 def parse_prometheus(text: str, prefix: str = "dspark_") -> dict[str, float]:
     """`name{labels}` → value for the lines of a /metrics page that start with `prefix`."""

@@ -50,6 +50,8 @@ BAD = [
     ({"input_ids": [1] * 140_000}, "request body: .* exceed the limit"),
 ]
 EXPECTED = ("cancelled", "busy") + tuple(f"bad:{i}" for i in range(len(BAD)))
+RESTART_MARGIN_S = 3.0  # a stream cut by a supervised restart fails at most this long around it
+RESTART_SETTLE_S = 10.0  # RSS after a restart: the models' memory is still filling
 
 
 def tiny_engines(dest: Path):
@@ -116,18 +118,42 @@ class Stats:
         self.itl: list[tuple[float, float]] = []  # (seconds since start, gap)
         self.tokens = 0
         self.mismatches = 0
+        self.unexpected_at: list[tuple[float, str]] = []  # (seconds since start, error key)
 
-    def count(self, outcome: str, error: str | None = None, example: str = "") -> None:
+    def count(self, outcome: str, error: str | None = None, example: str = "", t: float | None = None):
         with self.lock:
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
             if error is not None:
                 self.errors[error] = self.errors.get(error, 0) + 1
                 self.examples.setdefault(error, example[:300])
+            if outcome == "unexpected" and error is not None and t is not None:
+                self.unexpected_at.append((t, error))
+
+    def excuse(self, windows: list[tuple[float, float]]) -> int:
+        """Move the unexpected errors that happened inside a window (a supervised restart of
+        tritonserver: its streams end with a transport error) to the outcome `lost_in_restart`;
+        returns how many."""
+        moved = 0
+        with self.lock:
+            keep = []
+            for t, error in self.unexpected_at:
+                if any(a <= t <= b for a, b in windows):
+                    self.outcomes["unexpected"] -= 1
+                    self.errors[error] -= 1
+                    self.outcomes["lost_in_restart"] = self.outcomes.get("lost_in_restart", 0) + 1
+                    moved += 1
+                else:
+                    keep.append((t, error))
+            self.unexpected_at = keep
+            self.outcomes = {k: v for k, v in self.outcomes.items() if v}
+            self.errors = {k: v for k, v in self.errors.items() if v}
+        return moved
 
 
 def _stream(url, inputs, cancel_after=None, timeout=60.0):
     """One raw stream: (token ids, stats, error, arrival times); cancels after `cancel_after` tokens."""
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
 
     from dspark.serving.client import request_inputs
 
@@ -160,6 +186,9 @@ def _stream(url, inputs, cancel_after=None, timeout=60.0):
             "dspark", request_inputs(grpcclient, **inputs), request_id="s", enable_empty_final_response=True
         )
         finished = done.wait(timeout)
+    except InferenceServerException as e:  # the stream died before the request went out
+        got["err"] = got["err"] or str(e)
+        finished = True
     finally:
         try:
             c.stop_stream(cancel_requests=cancel_after is not None or not finished)
@@ -214,7 +243,10 @@ def _client(url, rng, deadline, stats, probes, alphabet, vocab, max_tokens, t_st
                 stats.count("bad_rejected", f"bad:{bad}", err)
             else:
                 stats.count(
-                    "unexpected", f"bad:{bad}:accepted" if err is None else "bad:wrong_error", str(err)
+                    "unexpected",
+                    f"bad:{bad}:accepted" if err is None else "bad:wrong_error",
+                    str(err),
+                    t=time.perf_counter() - t_start,
                 )
             continue
         if err is not None:
@@ -224,8 +256,13 @@ def _client(url, rng, deadline, stats, probes, alphabet, vocab, max_tokens, t_st
                 else ("cancelled" if kind == "cancel" and "cancel" in err.lower() else "error")
             )
             stats.count(
-                "cancelled" if key == "cancelled" else ("busy" if key == "busy" else "unexpected"), key, err
+                "cancelled" if key == "cancelled" else ("busy" if key == "busy" else "unexpected"),
+                key,
+                err,
+                t=time.perf_counter() - t_start,
             )
+            if key == "error":  # e.g. the server is restarting: back off as a real client would
+                time.sleep(0.25)
             continue
         if kind == "cancel" and (got["stats"] is None):
             stats.count("cancelled", "cancelled")
@@ -258,6 +295,7 @@ def run_soak(
     max_tokens: int = 40,  # + a prompt of at most 20 tokens: within the tiny engines' 64
     seed: int = 0,
     log=print,
+    supervise: bool = True,
 ) -> dict:
     import torch
 
@@ -267,7 +305,8 @@ def run_soak(
     from dspark.models.target import TargetRunner
     from dspark.orchestrator.text import ChatTokenizer
     from dspark.perf.sps import machine
-    from dspark.serving.launcher import Server, free_port
+    from dspark.serving.launcher import Server, ServerError, free_port
+    from dspark.serving.supervisor import Supervisor
 
     work.mkdir(parents=True, exist_ok=True)
     engines = engines or work / "engines"
@@ -308,6 +347,33 @@ def run_soak(
                 samples.append({"t": time.monotonic() - t_start, "rss_mb": process_rss(server.proc.pid), **m})
                 stop_sampler.wait(sample_seconds)
 
+        # as under `dspark serve`: a python-backend abort of tritonserver is restarted on the same
+        # ports; any other exit ends the soak (ServerError below)
+        supervisor = Supervisor(server, log=log) if supervise else None
+        restarts: list[dict] = []
+        died: dict = {}
+
+        def watch():
+            while not stop_sampler.is_set():
+                if not server.alive():
+                    t_down = time.perf_counter() - t_perf
+                    code, tail = server.proc.returncode, server.run_log()[-3000:]
+                    if supervisor is not None and supervisor.after_exit(code):
+                        up = time.perf_counter() - t_perf
+                        restarts.append(
+                            dict(down_s=round(t_down, 2), up_s=round(up, 2), exit_code=code, log_tail=tail)
+                        )
+                        continue
+                    died.update(code=code, t=t_down, tail=tail)
+                    return
+                if supervisor is not None:  # a dead stub: a drafter reloaded, else tritonserver restarted
+                    t_check = time.perf_counter() - t_perf
+                    dead = supervisor.check()
+                    if dead:
+                        up = time.perf_counter() - t_perf
+                        restarts.append(dict(down_s=round(t_check, 2), up_s=round(up, 2), stubs=dead))
+                stop_sampler.wait(0.5)
+
         common = (deadline, stats, probes, alphabet, vocab, max_tokens, t_perf)
         threads = [
             threading.Thread(target=_client, args=(url, random.Random(seed * 1000 + i), *common), daemon=True)
@@ -315,6 +381,8 @@ def run_soak(
         ]
         st = threading.Thread(target=sampler, daemon=True)
         st.start()
+        wt = threading.Thread(target=watch, daemon=True)
+        wt.start()
         for t in threads:
             t.start()
         next_log = t_start + 60
@@ -325,17 +393,36 @@ def run_soak(
                 with stats.lock:
                     log(f"[soak] {time.monotonic() - t_start:5.0f} s: {dict(sorted(stats.outcomes.items()))}")
         hung = sum(t.is_alive() for t in threads)
+        wt.join(0.1)
+        if died or not server.alive():
+            stop_sampler.set()
+            raise ServerError(
+                f"tritonserver died during the soak (exit code {died.get('code', server.proc.returncode)}, "
+                f"{died.get('t', time.perf_counter() - t_perf):.0f} s in; outcomes {dict(stats.outcomes)}); "
+                f"its log {server.log_path} ends with:\n{died.get('tail') or server.log_tail()}"
+            )
         # slots once traffic has stopped (bounded wait for the last cancellations to be noticed)
         settle = time.monotonic() + 30
         while True:
-            end = held(_metrics(server.metrics_port))
+            try:
+                end = held(_metrics(server.metrics_port))
+            except OSError:  # mid-restart: the watch brings it back
+                end = {"unreachable": 1.0}
             if all(v == 0 for v in end.values()) or time.monotonic() > settle:
                 break
             time.sleep(0.5)
         stop_sampler.set()
         st.join(10)
+        wt.join(30)
         samples.append({"t": time.monotonic() - t_start, "rss_mb": process_rss(server.proc.pid), **end})
-    result = summarize(stats, samples, minutes, clients, bin_seconds, warmup_fraction, end, hung)
+    # streams cut by a supervised restart end with a transport error: from the death (the watch
+    # sees it within 0.5 s) to a few seconds after the server is ready again
+    windows = [(r["down_s"] - RESTART_MARGIN_S, r["up_s"] + RESTART_MARGIN_S) for r in restarts]
+    lost = stats.excuse(windows)
+    result = summarize(stats, samples, minutes, clients, bin_seconds, warmup_fraction, end, hung, windows)
+    result["restarts"] = restarts
+    result["lost_in_restart"] = lost
+    result["verdict"]["no_restart"] = not restarts
     result.update(
         machine=machine(),
         date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -350,10 +437,18 @@ def run_soak(
     return result
 
 
-def summarize(stats: Stats, samples, minutes, clients, bin_seconds, warmup_fraction, end, hung) -> dict:
+def summarize(
+    stats: Stats, samples, minutes, clients, bin_seconds, warmup_fraction, end, hung, windows=()
+) -> dict:
+    """`windows`: (start, end) seconds of supervised restarts; RSS sampled in one (processes gone or
+    still loading) or in the RESTART_SETTLE_S after it says nothing about a leak."""
     duration = minutes * 60
     warm = warmup_fraction * duration
-    totals = [(s["t"], sum(s["rss_mb"].values())) for s in samples]
+    totals = [
+        (s["t"], sum(s["rss_mb"].values()))
+        for s in samples
+        if not any(a <= s["t"] <= b + RESTART_SETTLE_S for a, b in windows)
+    ]
     after = [r for t, r in totals if t >= warm]
     base = float(np.mean(after[: max(1, len(after) // 10)])) if after else None
     last = float(np.mean(after[-max(1, len(after) // 10) :])) if after else None

@@ -43,15 +43,21 @@ RELOAD_ALONE = frozenset({"drafter_backbone", "drafter_head"})
 RESTARTS_MAX, RESTARTS_WINDOW_S = 3, 600.0
 # what tritonserver's log shows when its python backend (not the server) brought it down
 PYTHON_BACKEND_ABORT = ("boost::interprocess::", "libtriton_python.so")
+# where tritonserver's crash report begins: its fatal-signal handler, or an uncaught C++ exception
+CRASH_REPORT = ("Signal (", "terminate called")
 
 
 def python_backend_abort(code: int | None, log: str) -> bool:
     """True when tritonserver ended on a signal (abort, segfault) raised inside its python backend,
-    judged from its exit code and the log of that run (its stack trace names the backend)."""
+    judged from its exit code and the crash report at the end of that run's log (its stack trace
+    names the backend). Only the report counts: the backends table printed at start-up names
+    libtriton_python.so in every log."""
+    starts = [i for i in (log.find(m) for m in CRASH_REPORT) if i >= 0]
+    report = log[min(starts) :] if starts else ""
     return (
         code is not None
         and code in (-signal.SIGABRT, -signal.SIGSEGV)
-        and any(s in log for s in PYTHON_BACKEND_ABORT)
+        and any(s in report for s in PYTHON_BACKEND_ABORT)
     )
 
 

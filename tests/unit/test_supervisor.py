@@ -44,6 +44,11 @@ def test_python_backend_abort_is_told_from_other_exits():
     assert not python_backend_abort(1, stack)  # a clean error exit (bad flag, model load failure)
     assert not python_backend_abort(-6, "Signal (6) received.\n 3# in /x/libtritonserver.so")
     assert not python_backend_abort(None, stack)
+    # every log names the backend in its start-up table: only the crash report counts
+    table = "| python  | /x/backends/python/libtriton_python.so | {} |\n"
+    assert not python_backend_abort(-11, table + "Signal (11) received.\n 2# syscall in /x/libc.so.6\n")
+    assert python_backend_abort(-11, table + "Signal (11) received.\n 2# 0x7F in /x/libtriton_python.so\n")
+    assert not python_backend_abort(-6, table)  # no crash report at all
 
 
 class _Aborting:
@@ -56,7 +61,9 @@ class _Aborting:
         self.starts = 0
 
     def run_log(self):
-        return "boost::interprocess::lock_exception\n in /x/libtriton_python.so"
+        return (
+            "terminate called after throwing boost::interprocess::lock_exception\n in /x/libtriton_python.so"
+        )
 
     def start(self):
         self.starts += 1

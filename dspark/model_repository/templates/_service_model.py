@@ -68,3 +68,9 @@ class TritonPythonModel:
         if self.slots_metric is not None:
             self.slots_metric.set(self.service.active)
         return responses
+
+    def finalize(self):
+        # drop the metric objects while the stub can still reach tritonserver: left to the
+        # interpreter's exit, their destructors message a parent that is gone and the stub
+        # segfaults (python backend 2.51: Metric::Clear after the shared memory is unmapped)
+        self.slots_metric = self.slots_family = None

@@ -69,7 +69,8 @@ class TritonPythonModel:
         self.inputs = [i["name"] for i in config["input"]]
         if params.get("outputs") == "device":  # the target answers on the GPU: Triton copies to host once
             _CPU_OUTPUTS["preferred_memory"] = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
-        self.orchestrator = make_orchestrator(params, _bls, TritonMetricsBackend(pb_utils)).start()
+        self.metrics = TritonMetricsBackend(pb_utils)
+        self.orchestrator = make_orchestrator(params, _bls, self.metrics).start()
 
     def execute(self, requests):
         for request in requests:
@@ -83,3 +84,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.orchestrator.stop()
+        self.metrics.close()  # while the stub can still reach tritonserver (see TritonMetricsBackend)
