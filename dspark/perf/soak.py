@@ -296,6 +296,7 @@ def run_soak(
     seed: int = 0,
     log=print,
     supervise: bool = True,
+    inject_segfault_at: float | None = None,
 ) -> dict:
     import torch
 
@@ -305,6 +306,7 @@ def run_soak(
     from dspark.models.target import TargetRunner
     from dspark.orchestrator.text import ChatTokenizer
     from dspark.perf.sps import machine
+    from dspark.serving.faults import segfault_python_backend
     from dspark.serving.launcher import Server, ServerError, free_port
     from dspark.serving.supervisor import Supervisor
 
@@ -383,6 +385,17 @@ def run_soak(
         st.start()
         wt = threading.Thread(target=watch, daemon=True)
         wt.start()
+        injected: dict = {}
+        if inject_segfault_at is not None:  # what the python backend does on its own, on purpose
+
+            def inject():
+                if not stop_sampler.wait(inject_segfault_at) and server.alive():
+                    injected.update(
+                        t=round(time.perf_counter() - t_perf, 2), tid=segfault_python_backend(server.proc.pid)
+                    )
+                    log(f"[soak] {injected['t']:.0f} s: SIGSEGV to python-backend thread {injected['tid']}")
+
+            threading.Thread(target=inject, daemon=True).start()
         for t in threads:
             t.start()
         next_log = t_start + 60
@@ -421,12 +434,14 @@ def run_soak(
     lost = stats.excuse(windows)
     result = summarize(stats, samples, minutes, clients, bin_seconds, warmup_fraction, end, hung, windows)
     result["restarts"] = restarts
+    result["injected_segfault"] = injected or None
     result["lost_in_restart"] = lost
     result["verdict"]["no_restart"] = not restarts
     result.update(
         machine=machine(),
         date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        command=f"python -m dspark.perf.soak --minutes {minutes:g} --clients {clients}",
+        command=f"python -m dspark.perf.soak --minutes {minutes:g} --clients {clients}"
+        + (f" --inject-segfault-at {inject_segfault_at:g}" if inject_segfault_at is not None else ""),
         engines="tiny random target (vocab 61) + DSpark drafter, ORT, 16 slots",
         tokenizer=str(tdir) if tdir else None,
     )
@@ -552,9 +567,19 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--out", default=str(REPO / "results" / "soak.json"))
     ap.add_argument("--bin-seconds", type=float, default=60.0)
+    ap.add_argument(
+        "--inject-segfault-at", type=float, metavar="S",
+        help="S seconds in, send SIGSEGV to a python-backend thread of tritonserver (what tritonserver "
+        "2.51 does on its own under load): checks that the supervised restart loses only the "
+        "streams it cuts",
+    )  # fmt: skip
     args = ap.parse_args(argv)
-    res = run_soak(args.minutes, args.clients, Path(args.out), bin_seconds=args.bin_seconds)
-    print(json.dumps({k: res[k] for k in ("requests", "outcomes", "slots_held_at_end", "verdict")}, indent=1))
+    res = run_soak(
+        args.minutes, args.clients, Path(args.out), bin_seconds=args.bin_seconds,
+        inject_segfault_at=args.inject_segfault_at,
+    )  # fmt: skip
+    keys = ("requests", "outcomes", "slots_held_at_end", "restarts", "lost_in_restart", "verdict")
+    print(json.dumps({k: res[k] for k in keys}, indent=1))
     print(
         f"[soak] RSS growth after warm-up {res['rss']['growth']:+.2%}; ITL p50 drift {res['itl_p50_drift']}"
     )

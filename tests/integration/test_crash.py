@@ -5,11 +5,8 @@ For every case: no client waits past its deadline; clients get a clear error or 
 the uninterrupted one; the server comes back to ready and then serves identical output; `dspark
 serve` exits non-zero with a message when tritonserver itself dies. See docs/decisions.md."""
 
-import ctypes
 import os
-import platform
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -25,6 +22,7 @@ from dspark.model_repository.render import render
 from dspark.models.target import TargetRunner
 from dspark.paths import REPO
 from dspark.serving.client import ClientError, stream_generate
+from dspark.serving.faults import segfault_python_backend
 from dspark.serving.launcher import free_port
 from dspark.serving.supervisor import stub_processes
 from tests.integration.test_tiny_server import _long_prompt, tiny  # noqa: F401 - fixture
@@ -222,33 +220,6 @@ def test_tritonserver_dying_makes_dspark_serve_exit_non_zero(tiny, tmp_path):  #
         s.stop()
 
 
-def _python_backend_thread(pid: int) -> int:
-    """A thread of tritonserver `pid` waiting inside its python backend: one whose stack, just
-    above its stack pointer, holds a return address into libtriton_python.so's code."""
-    code = []
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        f = line.split()
-        if len(f) >= 6 and f[5].endswith("libtriton_python.so") and "x" in f[1]:
-            code.append(tuple(int(x, 16) for x in f[0].split("-")))
-    assert code, "libtriton_python.so is not mapped in tritonserver"
-    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-        for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
-            f = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
-            if len(f) < 9:  # running, not blocked in a system call
-                continue
-            sp = int(f[-2], 16)
-            for size in (4096, 512):
-                try:
-                    mem.seek(sp)
-                    words = struct.unpack(f"<{size // 8}Q", mem.read(size))
-                    break
-                except (OSError, struct.error):
-                    words = ()
-            if any(a <= w < b for w in words for a, b in code):
-                return tid
-    raise AssertionError("no tritonserver thread is waiting inside its python backend")
-
-
 def test_a_segfault_in_the_python_backend_is_restarted(tiny, reference, tmp_path):  # noqa: F811
     """tritonserver 2.51's python backend can segfault under load (triton-inference-server/server
     #8882; the CI failure of 2026-12-07, in the soak). Raised here on purpose in one of the
@@ -261,9 +232,7 @@ def test_a_segfault_in_the_python_backend_is_restarted(tiny, reference, tmp_path
     try:
         s.wait_ready()
         pid = s.triton_pid()
-        tid = _python_backend_thread(pid)
-        sys_tgkill = {"x86_64": 234, "aarch64": 131}[platform.machine()]
-        assert ctypes.CDLL(None, use_errno=True).syscall(sys_tgkill, pid, tid, signal.SIGSEGV) == 0
+        segfault_python_backend(pid)
         deadline = time.monotonic() + 60
         while "tritonserver aborted in its python backend" not in s.output() and time.monotonic() < deadline:
             assert s.proc.poll() is None, s.output()[-4000:]
