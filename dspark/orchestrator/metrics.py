@@ -1,9 +1,9 @@
 """The orchestrator's Prometheus metrics, kept in-process and mirrored to Triton's metrics port.
 
 Every metric lives here as a plain Python value (so unit tests and `snapshot()` read it without
-a server); when a `backend` is given (model.py passes one built on pb_utils.MetricFamily), each
-update is forwarded to the matching Triton metric, which tritonserver publishes on its metrics
-port next to its own `nv_*` metrics.
+a server); when a `backend` is given (model.py passes one built on pb_utils.MetricFamily), the
+updates are forwarded to the matching Triton metrics at each `flush()` (after every round), which
+tritonserver publishes on its metrics port next to its own `nv_*` metrics.
 
 Families (all prefixed `dspark_`):
   requests_total{outcome}            finished | error | cancelled | rejected | busy
@@ -57,13 +57,24 @@ class _Histogram:
 
 
 class ServingMetrics:
-    """Thread-safe counters, gauges and histograms; `backend` mirrors them to Triton."""
+    """Thread-safe counters, gauges and histograms; `backend` mirrors them to Triton.
+
+    Updates reach the backend at `flush()`, not one by one: each backend update is a round trip
+    between the python stub and tritonserver (pb_utils metrics), and a speculative round updates
+    up to ~30 per sequence (positions, calibration). Between flushes, increments to one counter add
+    up and a gauge keeps its last value; histogram observations are sent one by one (the backend
+    has no bulk observe). The orchestrator flushes after every round, before every final
+    response, and every 0.5 s when idle."""
 
     def __init__(self, gamma: int = 7, backend=None, labels: dict | None = None) -> None:
         self.gamma = gamma
         self.backend = backend
         self.labels = dict(labels or {})
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()  # one flush at a time: the backend sees updates in order
+        self._pending_inc: dict[tuple, float] = defaultdict(float)
+        self._pending_set: dict[tuple, float] = {}
+        self._pending_obs: list[tuple[str, float]] = []
         self.counters: dict[tuple, float] = defaultdict(float)
         self.gauges: dict[tuple, float] = {}
         self.hists: dict[str, _Histogram] = {
@@ -82,21 +93,40 @@ class ServingMetrics:
         key = (name, tuple(sorted(labels.items())))
         with self._lock:
             self.counters[key] += value
-        if self.backend is not None and value:
-            self.backend.inc(name, {**self.labels, **labels}, value)
+            if self.backend is not None and value:
+                self._pending_inc[key] += value
 
     def set_gauge(self, name: str, value: float, **labels) -> None:
         key = (name, tuple(sorted(labels.items())))
         with self._lock:
             self.gauges[key] = float(value)
-        if self.backend is not None:
-            self.backend.set(name, {**self.labels, **labels}, float(value))
+            if self.backend is not None:
+                self._pending_set[key] = float(value)
 
     def observe(self, name: str, value: float) -> None:
         with self._lock:
             self.hists[name].observe(value)
-        if self.backend is not None:
-            self.backend.observe(name, self.labels, self.hists[name].buckets, float(value))
+            if self.backend is not None:
+                self._pending_obs.append((name, float(value)))
+
+    def flush(self) -> int:
+        """Send what changed since the last flush to the backend: counters, then histogram
+        observations, then gauges (so that a reader who sees the gauges of a round also sees its
+        counters). Returns the number of backend updates (0 without a backend)."""
+        if self.backend is None:
+            return 0
+        with self._flush_lock:
+            with self._lock:
+                incs, self._pending_inc = self._pending_inc, defaultdict(float)
+                obs, self._pending_obs = self._pending_obs, []
+                sets, self._pending_set = self._pending_set, {}
+            for (name, labels), value in incs.items():
+                self.backend.inc(name, {**self.labels, **dict(labels)}, value)
+            for name, value in obs:
+                self.backend.observe(name, self.labels, self.hists[name].buckets, value)
+            for (name, labels), value in sets.items():
+                self.backend.set(name, {**self.labels, **dict(labels)}, value)
+        return len(incs) + len(obs) + len(sets)
 
     def counter(self, name: str, **labels) -> float:
         return self.counters.get((name, tuple(sorted(labels.items()))), 0.0)

@@ -41,6 +41,27 @@ class Detokenizer:
         return new
 
 
+class _MetricsFirst:
+    """A request's sender that flushes the metrics before the request's last response: a client
+    that has its answer and reads /metrics sees the counters of its request."""
+
+    def __init__(self, sender, metrics) -> None:
+        self.sender = sender
+        self.metrics = metrics
+
+    def send(self, outputs, final: bool) -> None:
+        if final:
+            self.metrics.flush()
+        self.sender.send(outputs, final)
+
+    def error(self, message: str) -> None:
+        self.metrics.flush()
+        self.sender.error(message)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+
 class StreamSink:
     """Batcher sink → one request's sender (token chunks, then a final response)."""
 
@@ -159,6 +180,7 @@ class Orchestrator:
     def submit(self, inputs: dict, sender) -> None:
         """Parse now (errors go straight back), decode later on the batcher thread (which
         validates the mode: Batcher.policy)."""
+        sender = _MetricsFirst(sender, self.batcher.metrics)
         try:
             req, mode, stop = parse(inputs, self.limits, self.chat_ids)
             stream = wants_stream(inputs)
@@ -186,6 +208,7 @@ class Orchestrator:
         while True:
             with self._wake:
                 while not self._stop and not self._inbox and self.batcher.idle:
+                    self.batcher.metrics.flush()  # e.g. rejections counted in submit()
                     self._wake.wait(0.5)
                 if self._stop:
                     break
@@ -219,10 +242,12 @@ class Orchestrator:
                 busy = not self.batcher.idle
                 t0 = time.perf_counter()
                 self.batcher.step()
+                self.batcher.metrics.flush()  # the round's updates: part of its time
                 if busy:  # model calls + everything else; the benchmark splits the two
                     self.batcher.metrics.inc("rounds_total")
                     self.batcher.metrics.inc("round_seconds_total", time.perf_counter() - t0)
                     self._publish_bls()
+                    self.batcher.metrics.flush()
             except Exception:  # the batcher isolates request failures; this is a last resort
                 log.exception("batcher round failed")
                 time.sleep(0.1)
@@ -232,3 +257,4 @@ class Orchestrator:
         for e in list(self.batcher.queue) + list(self.batcher.active):
             e.cancelled = True
         self.batcher.step()  # releases everything, tells the senders
+        self.batcher.metrics.flush()
