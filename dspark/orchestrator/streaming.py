@@ -244,10 +244,10 @@ class Orchestrator:
                 self.batcher.step()
                 self.batcher.metrics.flush()  # the round's updates: part of its time
                 if busy:  # model calls + everything else; the benchmark splits the two
+                    # (sent with the next flush: the next round's, a final response's or the idle one)
                     self.batcher.metrics.inc("rounds_total")
                     self.batcher.metrics.inc("round_seconds_total", time.perf_counter() - t0)
                     self._publish_bls()
-                    self.batcher.metrics.flush()
             except Exception:  # the batcher isolates request failures; this is a last resort
                 log.exception("batcher round failed")
                 time.sleep(0.1)

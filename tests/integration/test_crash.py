@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,18 @@ class Serve:
         if pid:  # never leave a server behind
             os.kill(pid, signal.SIGKILL)
         return self.proc.returncode
+
+
+@contextmanager
+def _served(eng, tmp_path):
+    """`dspark serve` of the tiny engines (2 slots) in tmp_path, ready; stopped on exit."""
+    render("cpu", tmp_path / "repo", eng, None, num_slots=2, max_len=96, threads=1)
+    s = Serve(tmp_path / "repo", tmp_path / "serve.log")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -209,15 +222,10 @@ def test_kill_9_of_a_model_stub_during_streams(serve, reference, model):
 
 def test_tritonserver_dying_makes_dspark_serve_exit_non_zero(tiny, tmp_path):  # noqa: F811
     _, eng = tiny
-    render("cpu", tmp_path / "repo", eng, None, num_slots=2, max_len=96, threads=1)
-    s = Serve(tmp_path / "repo", tmp_path / "serve.log")
-    try:
-        s.wait_ready()
+    with _served(eng, tmp_path) as s:
         os.kill(s.triton_pid(), signal.SIGKILL)
         assert s.proc.wait(30) != 0
         assert "tritonserver exited on its own" in s.output()
-    finally:
-        s.stop()
 
 
 def test_a_segfault_in_the_python_backend_is_restarted(tiny, reference, tmp_path):  # noqa: F811
@@ -227,10 +235,7 @@ def test_a_segfault_in_the_python_backend_is_restarted(tiny, reference, tmp_path
     same tokens, drafter on."""
     _, eng = tiny
     prompt, tokens = reference
-    render("cpu", tmp_path / "repo", eng, None, num_slots=2, max_len=96, threads=1)
-    s = Serve(tmp_path / "repo", tmp_path / "serve.log")
-    try:
-        s.wait_ready()
+    with _served(eng, tmp_path) as s:
         pid = s.triton_pid()
         segfault_python_backend(pid)
         deadline = time.monotonic() + 60
@@ -240,8 +245,6 @@ def test_a_segfault_in_the_python_backend_is_restarted(tiny, reference, tmp_path
         assert "tritonserver aborted in its python backend (code -11" in s.output(), s.output()[-4000:]
         _recovered(s, prompt, tokens)
         assert s.proc.poll() is None and s.triton_pid() not in (None, pid)
-    finally:
-        s.stop()
 
 
 def test_sigterm_drains_running_streams_before_stopping(tiny, reference, tmp_path):  # noqa: F811
@@ -249,10 +252,7 @@ def test_sigterm_drains_running_streams_before_stopping(tiny, reference, tmp_pat
     before tritonserver gets its SIGTERM; the streams finish whole and the process exits 0."""
     _, eng = tiny
     prompt, tokens = reference
-    render("cpu", tmp_path / "repo", eng, None, num_slots=2, max_len=96, threads=1)
-    s = Serve(tmp_path / "repo", tmp_path / "serve.log")
-    try:
-        s.wait_ready()
+    with _served(eng, tmp_path) as s:
         stream_generate(s.url, input_ids=prompt, max_tokens=4, mode="off", timeout=DEADLINE)  # warm
         threads, out = _run_streams(s.url, prompt, n=2)
         time.sleep(0.2)
@@ -262,5 +262,3 @@ def test_sigterm_drains_running_streams_before_stopping(tiny, reference, tmp_pat
         assert [r.token_ids if not isinstance(r, Exception) else str(r) for r, _ in out] == [tokens, tokens]
         assert s.proc.wait(40) == 0
         assert "[serve] draining" in s.output() and "[serve] drained" in s.output()
-    finally:
-        s.stop()
