@@ -207,13 +207,17 @@ class Orchestrator:
         started = False
         while True:
             with self._wake:
-                while not self._stop and not self._inbox and self.batcher.idle:
-                    self.batcher.metrics.flush()  # e.g. rejections counted in submit()
+                idle = not self._stop and not self._inbox and self.batcher.idle
+                if idle:
                     self._wake.wait(0.5)
-                if self._stop:
+                elif self._stop:
                     break
-                pending = list(self._inbox)
-                self._inbox.clear()
+                else:
+                    pending = list(self._inbox)
+                    self._inbox.clear()
+            if idle:  # e.g. rejections counted in submit(); outside the lock, which submit() takes
+                self.batcher.metrics.flush()
+                continue
             if not started and self.on_start is not None:
                 # first request: the server is fully up, so BLS calls work (not during load)
                 started = True
