@@ -100,9 +100,9 @@ class Serve:
 
 
 @contextmanager
-def _served(eng, tmp_path):
-    """`dspark serve` of the tiny engines (2 slots) in tmp_path, ready; stopped on exit."""
-    render("cpu", tmp_path / "repo", eng, None, num_slots=2, max_len=96, threads=1)
+def _served(eng, tmp_path, num_slots=2, **render_options):
+    """`dspark serve` of the tiny engines in tmp_path, ready; stopped on exit."""
+    render("cpu", tmp_path / "repo", eng, None, num_slots=num_slots, max_len=96, threads=1, **render_options)
     s = Serve(tmp_path / "repo", tmp_path / "serve.log")
     try:
         s.wait_ready()
@@ -114,14 +114,8 @@ def _served(eng, tmp_path):
 @pytest.fixture(scope="module")
 def serve(tiny, tmp_path_factory):  # noqa: F811
     _, eng = tiny
-    tmp = tmp_path_factory.mktemp("crash")
-    render("cpu", tmp / "repo", eng, None, num_slots=3, max_len=96, threads=1, drafter_retry_s=0.5)
-    s = Serve(tmp / "repo", tmp / "serve.log")
-    try:
-        s.wait_ready()
+    with _served(eng, tmp_path_factory.mktemp("crash"), num_slots=3, drafter_retry_s=0.5) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
